@@ -1,0 +1,67 @@
+"""EngineConfig: the user's knobs, frozen and validated once.
+
+Unknown keyword arguments are an error that names the offending key and the closest valid one, so a typo
+such as ``max_num_seq=8`` never silently falls back to a default.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, fields
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None
+    quantization: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    gpu_memory_utilization: float = 0.85
+    kv_cache_memory_bytes: int | None = None  # CPU budget (default 1 GiB); on GPU overrides the utilization
+    num_kv_blocks: int | None = None  # exact block count, overrides both budgets (tests use it)
+    enforce_eager: bool = False
+    revision: str | None = None
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model must be a non-empty string: a local directory, 'smollm2-135m-instruct' or a hub id")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {', '.join(_DTYPES)}")
+        if self.device not in _DEVICES:
+            raise ValueError(f"device={self.device!r} is not supported; choose one of {', '.join(_DEVICES)}")
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("block_size", self.block_size)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if self.num_kv_blocks is not None:
+            _positive("num_kv_blocks", self.num_kv_blocks)
+        if self.kv_cache_memory_bytes is not None:
+            _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        for key in kwargs:
+            if key not in known:
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                raise TypeError(f"unknown engine option {key!r}.{hint} Valid options: {', '.join(sorted(known - {'model'}))}")
+        return cls(model=model, **kwargs)
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive integer")

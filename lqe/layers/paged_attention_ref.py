@@ -1,0 +1,80 @@
+"""Reference paged attention in plain torch: runs on CPU and GPU, and is the ground truth for GPU kernels.
+
+Handles ragged batches in one call: prefill chunks with a cached prefix, decodes, and mixes of both; GQA by
+grouping query heads over their shared KV head.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lqe.engine.forward_context import AttentionMetadata
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write ``key``/``value`` ``[T, KVH, D]`` into the paged cache at ``slot_mapping`` (``-1`` = skip)."""
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``seq_len`` cached K and V of one sequence: two ``[seq_len, KVH, D]`` tensors."""
+    block_size = kv_cache.shape[2]
+    n = -(-seq_len // block_size)
+    blocks = kv_cache[:, block_table[:n].long()]  # [2, n, BS, KVH, D]
+    kv = blocks.reshape(2, n * block_size, *kv_cache.shape[3:])[:, :seq_len]
+    return kv[0], kv[1]
+
+
+def paged_attention_ref(
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Causal attention of ``query`` ``[T, H, D]`` over each sequence's cached K/V (already stored)."""
+    num_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
+    out = torch.empty_like(query)
+    qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    decode = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] == 1]
+    if len(decode) > 1:
+        _batched_decode(query, kv_cache, meta, decode, scale, out)
+        done = set(decode)
+    else:
+        done = set()
+    for i in range(meta.num_seqs):
+        if i in done:
+            continue
+        start, end, seq_len = qsl[i], qsl[i + 1], lens[i]
+        if end == start:
+            continue
+        q = query[start:end]  # [L, H, D]
+        k, v = gather_kv(kv_cache, meta.block_tables[i], seq_len)
+        ctx = seq_len - (end - start)
+        q_pos = torch.arange(ctx, seq_len, device=query.device)
+        mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]  # [L, S]
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
+            attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads,
+        )
+        out[start:end] = o.transpose(0, 1)
+    return out
+
+
+def _batched_decode(query, kv_cache, meta: AttentionMetadata, rows: list[int], scale: float, out) -> None:
+    """All one-token queries at once: pad each sequence's KV to the longest and mask the padding."""
+    block_size = kv_cache.shape[2]
+    idx = torch.tensor([meta.query_start_loc_cpu[i] for i in rows], device=query.device)
+    lens = torch.tensor([meta.seq_lens_cpu[i] for i in rows], device=query.device)
+    max_len = max(meta.seq_lens_cpu[i] for i in rows)
+    n = -(-max_len // block_size)
+    tables = meta.block_tables[torch.tensor(rows, device=query.device)][:, :n].long()  # [B, n]
+    kv = kv_cache[:, tables]  # [2, B, n, BS, KVH, D]
+    kv = kv.reshape(2, len(rows), n * block_size, *kv_cache.shape[3:])[:, :, :max_len]
+    q = query[idx].unsqueeze(2)  # [B, H, 1, D]
+    k, v = kv[0].transpose(1, 2).to(q.dtype), kv[1].transpose(1, 2).to(q.dtype)  # [B, KVH, S, D]
+    mask = (torch.arange(max_len, device=query.device)[None, :] < lens[:, None])[:, None, None, :]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    out[idx] = o.squeeze(2)
