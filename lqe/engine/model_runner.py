@@ -1,0 +1,159 @@
+"""Builds the model, owns the paged KV cache, and runs one scheduled step.
+
+Input preparation turns the scheduler's chunks into the flattened step (token ids, positions, slot mapping,
+block tables); logits are computed only for the rows that need them (the last token of a sampling chunk and,
+for requests asking for prompt logprobs, every prompt position).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lqe.config import EngineConfig
+from lqe.engine.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from lqe.engine.scheduler import SchedulerOutput
+from lqe.layers.attention import Attention, select_backend
+from lqe.layers.sampler import Sampler, SamplerOutput, SamplingBatch
+from lqe.loaders.hf_config import ModelConfig
+from lqe.loaders.weights import iterate_weights, load_weights
+from lqe.models import get_model_class
+from lqe.quant_layers.base import QuantConfig
+
+logger = logging.getLogger("lqe")
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+_LOGITS_CHUNK = 512  # rows of prompt logprobs turned into [rows, vocab] logits at once
+
+
+@dataclass(slots=True)
+class StepResult:
+    sampled: SamplerOutput | None  # one entry per scheduled chunk that samples, in schedule order
+    # per scheduled index: list of (prompt token index, {token: (logprob, rank)}) filled this step
+    prompt_logprobs: dict[int, list[tuple[int, dict[int, tuple[float, int]]]]]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: str, model_cfg: ModelConfig, quant_config: QuantConfig | None,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.config, self.model_cfg, self.device, self.dtype = config, model_cfg, device, dtype
+        self.block_size = config.block_size
+        cls = get_model_class(model_cfg)
+        with torch.device(device):
+            self.model: nn.Module = cls(model_cfg, quant_config, dtype)
+        load_weights(self.model, iterate_weights(model_dir))
+        for module in self.model.modules():
+            method = getattr(module, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(module)
+        self.model.eval()
+        backend = select_backend(device)
+        for module in self.model.modules():
+            if isinstance(module, Attention):
+                module.backend = backend
+        self.attention_backend = backend.name
+        self.sampler = Sampler()
+        self.kv_cache: torch.Tensor | None = None
+        self.num_blocks = 0
+
+    # -- memory ---------------------------------------------------------------------------------------
+    def weight_bytes(self) -> int:
+        seen, total = set(), 0
+        for t in list(self.model.parameters()) + list(self.model.buffers()):
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+        return total
+
+    def kv_bytes_per_block(self) -> int:
+        c = self.model_cfg
+        return 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * self.dtype.itemsize
+
+    def allocate_kv_cache(self, max_model_len: int) -> None:
+        per_block = self.kv_bytes_per_block()
+        if self.config.num_kv_blocks is not None:
+            num_blocks = self.config.num_kv_blocks
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = self.config.kv_cache_memory_bytes or int(
+                total * self.config.gpu_memory_utilization - (total - free) - (1 << 30))
+            num_blocks = max(0, budget // per_block)
+        else:
+            num_blocks = (self.config.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES) // per_block
+        needed = -(-max_model_len // self.block_size)
+        if num_blocks < needed:
+            raise MemoryError(
+                f"KV cache too small: {num_blocks} blocks of {self.block_size} tokens fit the budget, but one request of "
+                f"max_model_len={max_model_len} tokens needs {needed} blocks ({needed * per_block / 2**20:.1f} MiB). "
+                "Raise kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len.")
+        c = self.model_cfg
+        self.kv_cache = torch.zeros(c.num_hidden_layers, 2, num_blocks, self.block_size, c.num_key_value_heads,
+                                    c.head_dim, dtype=self.dtype, device=self.device)
+        self.num_blocks = num_blocks
+
+    # -- one step -------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, sampling: SamplingBatch | None) -> StepResult:
+        input_ids, positions, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
+        bs = self.block_size
+        for s in sched.scheduled:
+            seq, start, n = s.seq, s.start, s.num_new_tokens
+            input_ids.extend(seq.all_token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            bt = seq.block_table
+            slots.extend(bt[p // bs] * bs + p % bs for p in range(start, start + n))
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(start + n)
+            tables.append(bt)
+        width = max(len(t) for t in tables)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
+            max_query_len=max(s.num_new_tokens for s in sched.scheduled),
+            max_seq_len=max(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, block_size=bs,
+        )
+        kv_caches = list(self.kv_cache.unbind(0))
+        with set_forward_context(ForwardContext(meta, kv_caches)):
+            hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
+                                torch.tensor(positions, dtype=torch.long, device=dev))
+        sample_rows = [qsl[i + 1] - 1 for i, s in enumerate(sched.scheduled) if s.samples]
+        sampled = None
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[sample_rows])
+            sampled = self.sampler(logits, sampling)
+        return StepResult(sampled, self._prompt_logprobs(sched, hidden, qsl))
+
+    def _prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor, qsl: list[int]):
+        result: dict[int, list[tuple[int, dict[int, tuple[float, int]]]]] = {}
+        for i, s in enumerate(sched.scheduled):
+            seq = s.seq
+            if not seq.wants_prompt_logprobs:
+                continue
+            # position p predicts prompt token p + 1
+            first = max(s.start, len(seq.prompt_logprobs) - 1)
+            last = min(s.start + s.num_new_tokens, seq.num_prompt_tokens - 1)
+            if first >= last:
+                continue
+            k = seq.params.prompt_logprobs
+            entries = []
+            for c0 in range(first, last, _LOGITS_CHUNK):
+                c1 = min(last, c0 + _LOGITS_CHUNK)
+                rows = torch.arange(qsl[i] + c0 - s.start, qsl[i] + c1 - s.start, device=hidden.device)
+                lp = self.model.compute_logits(hidden[rows]).float().log_softmax(dim=-1)
+                targets = torch.tensor(seq.prompt_token_ids[c0 + 1:c1 + 1], device=lp.device)
+                tok_lp = lp.gather(1, targets[:, None]).squeeze(1)
+                ranks = (lp > tok_lp[:, None]).sum(dim=1) + 1
+                top = lp.topk(k, dim=-1) if k > 0 else None
+                for j in range(c1 - c0):
+                    d = {int(targets[j]): (float(tok_lp[j]), int(ranks[j]))}
+                    if top is not None:
+                        for r, (tid, v) in enumerate(zip(top.indices[j].tolist(), top.values[j].tolist())):
+                            d.setdefault(tid, (v, r + 1))
+                    entries.append((c0 + 1 + j, d))
+            result[i] = entries
+        return result

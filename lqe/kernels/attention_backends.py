@@ -1,0 +1,113 @@
+"""GPU attention backends, registered with ``lqe.layers.attention`` when their packages import.
+
+* ``triton``: lqe's own kernels (``triton_attention``): KV store, prefill over a cached prefix, split-K decode.
+  Registered when triton imports and CUDA is available, or when ``LQE_ATTENTION_BACKEND=triton`` forces it
+  (with ``TRITON_INTERPRET=1`` it then runs on CPU tensors, slowly: for tests).
+* ``flash_attn``: ``flash_attn_varlen_func`` / ``flash_attn_with_kvcache`` with a block table. FlashAttention-2
+  only pages KV in blocks of a multiple of 256 tokens; for other block sizes this backend hands the step to
+  the triton kernels (or the torch reference when triton is absent), so it is always correct.
+
+Importing this module never raises: a missing or broken package just means its backend is not registered.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from lqe.engine.forward_context import AttentionMetadata
+from lqe.layers import paged_attention_ref as ref
+from lqe.layers.attention import register_backend
+
+try:
+    from lqe.kernels import triton_attention as _ta
+except Exception:  # noqa: BLE001 -- ImportError, or a triton build that fails to initialise
+    _ta = None
+
+try:
+    from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+except Exception:  # noqa: BLE001
+    flash_attn_varlen_func = flash_attn_with_kvcache = None
+
+FLASH_ATTN_BLOCK_MULTIPLE = 256
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        _ta.store_kv(key, value, kv_cache, meta.slot_mapping)
+        return _ta.paged_attention(query, kv_cache, meta, scale)
+
+
+class _CuSeqlensK:
+    """``[0, cumsum(seq_lens)]`` once per step (every layer shares the step's metadata object)."""
+
+    def __init__(self) -> None:
+        self._meta: AttentionMetadata | None = None
+        self._value: torch.Tensor | None = None
+
+    def __call__(self, meta: AttentionMetadata) -> torch.Tensor:
+        if self._meta is not meta:
+            cu = torch.zeros(meta.num_seqs + 1, dtype=torch.int32, device=meta.seq_lens.device)
+            torch.cumsum(meta.seq_lens, 0, dtype=torch.int32, out=cu[1:])
+            self._meta, self._value = meta, cu
+        return self._value
+
+
+_cu_seqlens_k = _CuSeqlensK()
+
+
+class FlashAttnBackend:
+    name = "flash_attn"
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if meta.block_size % FLASH_ATTN_BLOCK_MULTIPLE or query.dtype not in (torch.float16, torch.bfloat16):
+            return _fallback(query, key, value, kv_cache, meta, scale)
+        if _ta is not None:
+            _ta.store_kv(key, value, kv_cache, meta.slot_mapping)
+        else:
+            ref.store_kv(key, value, kv_cache, meta.slot_mapping)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, KVH, D]
+        if meta.is_decode_only:
+            b = meta.num_seqs
+            # one token per sequence, in sequence order: tokens past query_start_loc[-1] are padding
+            out = flash_attn_with_kvcache(query[:b].unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
+                                          block_table=meta.block_tables, softmax_scale=scale, causal=True)
+            if query.shape[0] == b:
+                return out.squeeze(1)
+            full = torch.zeros_like(query)
+            full[:b] = out.squeeze(1)
+            return full
+        n = meta.query_start_loc_cpu[-1]
+        out = flash_attn_varlen_func(
+            query[:n], k_cache, v_cache, cu_seqlens_q=meta.query_start_loc, cu_seqlens_k=_cu_seqlens_k(meta),
+            max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_seq_len, softmax_scale=scale, causal=True,
+            block_table=meta.block_tables,
+        )
+        if n == query.shape[0]:
+            return out
+        full = torch.zeros_like(query)
+        full[:n] = out
+        return full
+
+
+def _fallback(query, key, value, kv_cache, meta, scale):
+    if _ta is not None and query.is_cuda:
+        return TritonAttentionBackend().forward(query, key, value, kv_cache, meta, scale)
+    ref.store_kv(key, value, kv_cache, meta.slot_mapping)
+    return ref.paged_attention_ref(query, kv_cache, meta, scale)
+
+
+def _register() -> None:
+    forced = os.environ.get("LQE_ATTENTION_BACKEND", "")
+    cuda = torch.cuda.is_available()
+    if _ta is not None and (cuda or forced == "triton"):
+        register_backend("triton", TritonAttentionBackend)
+    if flash_attn_varlen_func is not None and cuda:
+        register_backend("flash_attn", FlashAttnBackend)
+
+
+_register()

@@ -1,0 +1,313 @@
+"""Triton kernels for paged attention: KV store, prefill over a cached prefix, split-K decode (+ reduce).
+
+Layout (see ``lqe.engine.forward_context``): ``query [T, H, D]``, ``kv_cache [2, num_blocks, block_size, KVH, D]``.
+A step may mix decode rows (query length 1) and prefill rows (a chunk of new tokens after ``seq_len - q_len``
+cached ones). Both kernels are launched over every sequence and each one skips the rows the other owns, so no
+host-side partitioning is needed; the decode kernel alone never reads host data, so a decode-only step can be
+captured in a CUDA graph (the number of splits is fixed per launch; split lengths are computed in the kernel
+from the device ``seq_lens``).
+
+Prefill reads its own new K/V back from the cache (they are stored first), which keeps one code path for
+"no prefix", "prefix-cached prefix" and chunked prefill. Softmax runs in base 2 with the scale folded in.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from lqe.engine.forward_context import AttentionMetadata
+
+_LOG2E = 1.4426950408889634
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# --------------------------------------------------------------------------------------------- KV store
+@triton.jit
+def _store_kv_kernel(K, V, KV, Slots, stride_kt, stride_kh, stride_vt, stride_vh, stride_kv, stride_slot,
+                     stride_ch, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(Slots + t).to(tl.int64)
+    if slot < 0:
+        return
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    dst = KV + slot * stride_slot + offs_h[:, None] * stride_ch + offs_d[None, :]
+    tl.store(dst, k.to(KV.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_kv, v.to(KV.dtype.element_ty), mask=mask)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write ``key``/``value`` ``[T, KVH, D]`` into ``kv_cache`` at ``slot_mapping`` (``-1`` = skip)."""
+    _check_cache(kv_cache)
+    t, kvh, d = key.shape
+    if t == 0:
+        return
+    if key.stride(2) != 1 or value.stride(2) != 1:
+        raise ValueError("store_kv needs key/value with a contiguous last (head_dim) dimension")
+    _store_kv_kernel[(t,)](
+        key, value, kv_cache, slot_mapping, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
+        NUM_KV_HEADS=kvh, HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(kvh), BLOCK_D=triton.next_power_of_2(d),
+    )
+
+
+# --------------------------------------------------------------------------------------------- prefill
+@triton.jit
+def _prefill_kernel(Q, KV, Out, BlockTables, QueryStart, SeqLens, scale_log2,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_kv, stride_blk, stride_slot, stride_ch,
+                    stride_bt, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    SKIP_DECODE: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start = tl.load(QueryStart + b)
+    q_len = tl.load(QueryStart + b + 1) - q_start
+    if pid_m * BLOCK_M >= q_len:
+        return
+    if SKIP_DECODE and q_len == 1:
+        return
+    seq_len = tl.load(SeqLens + b)
+    ctx_len = seq_len - q_len
+    kvh = h // GROUP
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    m_mask = offs_m < q_len
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    q_pos = ctx_len + offs_m
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite, so fully masked rows never give inf - inf
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    kv_end = tl.minimum(seq_len, ctx_len + (pid_m + 1) * BLOCK_M)  # causal: later keys are never seen
+    table = BlockTables + b.to(tl.int64) * stride_bt
+    for start in range(0, kv_end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_end
+        blk = tl.load(table + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        rows = blk * stride_blk + (offs_n % PAGE) * stride_slot + kvh * stride_ch
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(KV + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(KV + stride_kv + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        else:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+             acc.to(Out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+# --------------------------------------------------------------------------------------------- decode
+@triton.jit
+def _decode_kernel(Q, KV, Out, PartOut, PartLse, BlockTables, QueryStart, SeqLens, scale_log2,
+                   stride_qt, stride_qh, stride_ot, stride_oh, stride_kv, stride_blk, stride_slot, stride_ch,
+                   stride_bt, stride_pb, stride_ph, stride_ps, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+    """One program per (sequence, KV head, split): all ``GROUP`` query heads of a KV head share its loads."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(QueryStart + b)
+    if tl.load(QueryStart + b + 1) - q_start != 1:
+        return
+    seq_len = tl.load(SeqLens + b)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_mask = offs_h < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_h
+    q_row = q_start.to(tl.int64)
+    q = tl.load(Q + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    table = BlockTables + b.to(tl.int64) * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        blk = tl.load(table + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        rows = blk * stride_blk + (offs_n % PAGE) * stride_slot + kvh * stride_ch
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(KV + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(KV + stride_kv + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        else:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(Out + q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+    else:
+        part = b.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps
+        tl.store(PartOut + part[:, None] + offs_d[None, :], out, mask=h_mask[:, None] & d_mask[None, :])
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+        tl.store(PartLse + part // BLOCK_D, lse, mask=h_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(Out, PartOut, PartLse, QueryStart, stride_ot, stride_oh, stride_pb, stride_ph,
+                          stride_ps, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                          BLOCK_D: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    q_start = tl.load(QueryStart + b)
+    if tl.load(QueryStart + b + 1) - q_start != 1:
+        return
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    base = b.to(tl.int64) * stride_pb + h * stride_ph + offs_s * stride_ps
+    lse = tl.load(PartLse + base // BLOCK_D, mask=s_mask, other=float("-inf"))
+    top = tl.max(lse, 0)
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top)))
+    part = tl.load(PartOut + base[:, None] + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(part * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(Out + q_start.to(tl.int64) * stride_ot + h * stride_oh + offs_d,
+             out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+# --------------------------------------------------------------------------------------------- host side
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 16
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
+                      min_tokens_per_split: int = 256, max_splits: int = 32) -> int:
+    """Split long contexts until the grid covers the GPU about twice; never below ``min_tokens_per_split``."""
+    by_len = max(1, math.ceil(max_seq_len / min_tokens_per_split))
+    by_occupancy = max(1, math.ceil(2 * _sm_count(device) / max(1, num_seqs * num_kv_heads)))
+    return int(min(by_len, by_occupancy, max_splits))
+
+
+def _check_cache(kv_cache: torch.Tensor) -> None:
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim]; got {tuple(kv_cache.shape)}")
+    if kv_cache.stride(4) != 1 or kv_cache.stride(1) != kv_cache.shape[2] * kv_cache.stride(2):
+        raise ValueError("kv_cache blocks must be contiguous (allocate it with torch.empty and do not slice it)")
+
+
+def _blocks(head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for prefill; bigger head dims get smaller tiles to fit registers."""
+    bd = triton.next_power_of_2(head_dim)
+    if bd <= 64:
+        return 64, 64, 4
+    if bd <= 128:
+        return 64, 64, 4
+    return 32, 32, 4
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """Causal attention of ``query [T, H, D]`` over the paged cache (K/V of this step already stored)."""
+    _check_cache(kv_cache)
+    t, num_heads, head_dim = query.shape
+    num_kv_heads, page = kv_cache.shape[3], kv_cache.shape[2]
+    if query.stride(2) != 1:
+        raise ValueError("query needs a contiguous last (head_dim) dimension")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if out is None:
+        out = torch.empty_like(query)
+    b = meta.num_seqs
+    if t == 0 or b == 0:
+        return out
+    group = num_heads // num_kv_heads
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    dot_f32 = _INTERPRET and query.dtype == torch.bfloat16  # the interpreter's bf16 tl.dot is wrong
+    scale_log2 = float(scale) * _LOG2E
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"  # tf32 only matters for fp32 operands
+    kv_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
+    decode_only = meta.max_query_len == 1
+    has_decode = decode_only or any(
+        meta.query_start_loc_cpu[i + 1] - meta.query_start_loc_cpu[i] == 1 for i in range(b))
+
+    if not decode_only:
+        block_m, block_n, warps = _blocks(head_dim)
+        grid = (triton.cdiv(meta.max_query_len, block_m), b, num_heads)
+        _prefill_kernel[grid](
+            query, kv_cache, out, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale_log2,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1), *kv_strides,
+            meta.block_tables.stride(0), GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_D=block_d, SKIP_DECODE=has_decode, DOT_F32=dot_f32, PRECISION=precision,
+            num_warps=warps, num_stages=2,
+        )
+    if not has_decode:
+        return out
+
+    splits = num_splits or choose_num_splits(b, num_kv_heads, meta.max_seq_len, query.device)
+    block_h = max(16, triton.next_power_of_2(group))
+    block_n = 64 if block_d <= 128 else 32
+    if splits > 1:
+        # PartLse shares PartOut's index (without the D axis): lse index = PartOut offset // BLOCK_D
+        part_out = torch.empty(b, num_heads, splits, block_d, dtype=torch.float32, device=query.device)
+        part_lse = torch.empty(b, num_heads, splits, dtype=torch.float32, device=query.device)
+    else:
+        part_out = part_lse = out  # unused
+    p_strides = (num_heads * splits * block_d, splits * block_d, block_d)
+    _decode_kernel[(b, num_kv_heads, splits)](
+        query, kv_cache, out, part_out, part_lse, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+        scale_log2, query.stride(0), query.stride(1), out.stride(0), out.stride(1), *kv_strides,
+        meta.block_tables.stride(0), *p_strides, GROUP=group, HEAD_DIM=head_dim, PAGE=page,
+        NUM_SPLITS=splits, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, DOT_F32=dot_f32, PRECISION=precision,
+        num_warps=4, num_stages=2,
+    )
+    if splits > 1:
+        _decode_reduce_kernel[(b, num_heads)](
+            out, part_out, part_lse, meta.query_start_loc, out.stride(0), out.stride(1), *p_strides,
+            HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+        )
+    return out

@@ -1,0 +1,115 @@
+"""The user-facing facade: ``LLM(model).generate(...)``, ``chat(...)``, ``stream(...)``."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterator, Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from lqe.config import EngineConfig
+from lqe.engine.llm_engine import LLMEngine
+from lqe.outputs import RequestOutput
+from lqe.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """An offline engine.
+
+    >>> llm = LLM("smollm2-135m-instruct")
+    >>> llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    """
+
+    def __init__(self, model: str, quantization: str | None = None, **kwargs: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model, quantization=quantization, **kwargs)
+        self.llm_engine = LLMEngine(self.config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion with continuous batching; outputs come back in prompt order.
+
+        ``prompts`` is a string, a list of token ids, or a list of either."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = _broadcast(sampling_params, len(prompts))
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = f"gen-{next(self._ids)}"
+                self.llm_engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            self.llm_engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[Message] | list[list[Message]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies through the tokenizer's chat template; one conversation or a list of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self.generate([self.apply_chat_template(c, add_generation_prompt) for c in convs], sampling_params, use_tqdm)
+
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+        tok = self.get_tokenizer()
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
+        if not messages:
+            raise ValueError("messages is empty: give at least one {'role': ..., 'content': ...} message")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {m!r}")
+        out = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        if isinstance(out, dict) or hasattr(out, "input_ids"):
+            out = out["input_ids"]
+        return list(out)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield the request's cumulative output after every step that changed it; the last one is finished.
+
+        Other requests already in the engine keep being served while this iterator is consumed."""
+        rid = f"stream-{next(self._ids)}"
+        self.llm_engine.add_request(rid, prompt, sampling_params)
+        try:
+            while True:
+                for out in self.llm_engine.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.llm_engine.abort_request(rid)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending, results = set(ids), {}
+        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm)
+        try:
+            while pending:
+                for out in self.llm_engine.step():
+                    if out.finished and out.request_id in pending:
+                        results[out.request_id] = out
+                        pending.discard(out.request_id)
+                        bar.update(1)
+        except BaseException:
+            self.llm_engine.abort_request(list(pending))
+            raise
+        finally:
+            bar.close()
+        return [results[i] for i in ids]
+
+
+def _broadcast(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts; give one, or one per prompt")
+    return params

@@ -1,0 +1,77 @@
+"""W8A8 int8 reference: activation quantization and the int8 GEMM with its scale epilogue (FORMATS.md §3.4).
+
+Rounding is round-half-to-even (``torch.round``; the CUDA kernels use ``cvt.rni.sat.s8.f32``), results
+saturate to int8. ``out = s_a * s_w * (acc - azp * colsum(W_q)) + bias`` with ``acc`` the exact int32 product.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def per_token_quant_int8(x: torch.Tensor, symmetric: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Dynamic per-row int8 quantization of ``x [M, K]``.
+
+    symmetric: ``s = absmax/127``, ``q = sat(round(x * 127/absmax))``.
+    asymmetric: ``s = (max-min)/255``, ``azp = round(-128 - min/s)``, ``q = sat(round(x/s) + azp)``.
+    All-zero rows give ``s = 0`` and ``q = 0`` (``azp = 0``). Returns ``(q int8, s float32 [M,1], azp int32 [M,1] | None)``."""
+    xf = x.float()
+    if symmetric:
+        absmax = xf.abs().amax(dim=-1, keepdim=True)
+        inv = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
+        q = torch.round(xf * inv).clamp(-128, 127).to(torch.int8)
+        return q, absmax / 127.0, None
+    xmin, xmax = xf.amin(dim=-1, keepdim=True), xf.amax(dim=-1, keepdim=True)
+    scale = (xmax - xmin) / 255.0
+    nz = scale > 0
+    safe = torch.where(nz, scale, torch.ones_like(scale))
+    azp = torch.where(nz, torch.round(-128.0 - xmin / safe), torch.zeros_like(scale))
+    q = torch.where(nz, torch.round(xf / safe) + azp, torch.zeros_like(xf)).clamp(-128, 127).to(torch.int8)
+    return q, scale, azp.to(torch.int32)
+
+
+def static_quant_int8(x: torch.Tensor, scale: torch.Tensor | float, azp: torch.Tensor | int | None = None) -> torch.Tensor:
+    """Static per-tensor int8 quantization: ``sat(round(x / scale) (+ azp))``."""
+    q = torch.round(x.float() / torch.as_tensor(scale, dtype=torch.float32))
+    if azp is not None:
+        q = q + torch.as_tensor(azp, dtype=torch.float32)
+    return q.clamp(-128, 127).to(torch.int8)
+
+
+def int8_gemm_ref(
+    x_q: torch.Tensor,
+    w_q: torch.Tensor,
+    s_a: torch.Tensor | float,
+    s_w: torch.Tensor | float,
+    azp: torch.Tensor | int | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``x_q [M, K]`` int8 times ``w_q [N, K]`` int8 (torch layout) with int32 accumulation (computed exactly
+    in int64 here), then ``s_a [M,1]|scalar * s_w [N]|[N,1]|scalar * (acc - azp * colsum) + bias``."""
+    acc = x_q.to(torch.int64) @ w_q.to(torch.int64).t()
+    if azp is not None:
+        colsum = w_q.to(torch.int64).sum(dim=1)
+        acc = acc - torch.as_tensor(azp, dtype=torch.int64) * colsum
+    s_w = torch.as_tensor(s_w, dtype=torch.float32).reshape(-1)
+    s_a = torch.as_tensor(s_a, dtype=torch.float32)
+    out = s_a.reshape(-1, 1) * s_w.reshape(1, -1) * acc.to(torch.float32) if s_a.numel() > 1 else s_a * s_w * acc.float()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def w8a8_linear_ref(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    s_w: torch.Tensor,
+    input_scale: torch.Tensor | None = None,
+    input_zero_point: torch.Tensor | None = None,
+    symmetric: bool = True,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The whole W8A8 linear: dynamic per-token activations when ``input_scale`` is None, else static."""
+    if input_scale is None:
+        x_q, s_a, azp = per_token_quant_int8(x, symmetric)
+    else:
+        x_q, s_a, azp = static_quant_int8(x, input_scale, input_zero_point), input_scale, input_zero_point
+    return int8_gemm_ref(x_q, w_q, s_a, s_w, azp, bias, x.dtype)
