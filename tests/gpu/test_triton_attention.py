@@ -1,0 +1,112 @@
+"""Triton paged attention and KV store against the torch reference, on ragged batches.
+
+The helpers ``make_case`` / ``check_attention`` also run on CPU under ``TRITON_INTERPRET=1``
+(``tests/test_triton_interpret.py`` calls them in a subprocess).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lqe.engine.forward_context import AttentionMetadata
+from lqe.layers import paged_attention_ref as ref
+
+ATOL = {torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 4e-2}
+
+
+def make_case(specs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
+              dtype: torch.dtype, device: str, block_size: int = 16, seed: int = 0, pad_tokens: int = 0):
+    """``specs``: one ``(query_len, context_len)`` per sequence. The cache holds random K/V everywhere (the
+    cached prefix and garbage elsewhere); blocks are handed out in a shuffled order. ``pad_tokens`` extra tokens
+    with slot -1 follow the last sequence (they must not be written)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-(q + c) // block_size) for q, c in specs]
+    num_blocks = sum(blocks_per_seq) + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    max_blocks = max(blocks_per_seq)
+    tables, slots, qsl, seq_lens, nxt = [], [], [0], [], 0
+    for (q, c), n in zip(specs, blocks_per_seq):
+        row = perm[nxt:nxt + n]
+        nxt += n
+        tables.append(row + [0] * (max_blocks - n))
+        slots += [row[p // block_size] * block_size + p % block_size for p in range(c, c + q)]
+        qsl.append(qsl[-1] + q)
+        seq_lens.append(q + c)
+    slots += [-1] * pad_tokens
+    t = qsl[-1] + pad_tokens
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
+    query, key, value = rnd(t, num_heads, head_dim), rnd(t, num_kv_heads, head_dim), rnd(t, num_kv_heads, head_dim)
+    kv_cache = rnd(2, num_blocks, block_size, num_kv_heads, head_dim)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        max_query_len=max(q for q, _ in specs), max_seq_len=max(seq_lens),
+        query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, block_size=block_size,
+    )
+    to = lambda x: x.to(device)  # noqa: E731
+    return to(query), to(key), to(value), to(kv_cache), meta
+
+
+def check_attention(specs, num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float16, device="cuda",
+                    block_size=16, num_splits=None, seed=0, pad_tokens=0, strided_kv=False) -> float:
+    from lqe.kernels import triton_attention as ta
+
+    query, key, value, cache, meta = make_case(specs, num_heads, num_kv_heads, head_dim, dtype, device,
+                                               block_size, seed, pad_tokens)
+    if strided_kv:  # K and V as views into one fused qkv tensor, as the model produces them
+        qkv = torch.cat([query.flatten(1), key.flatten(1), value.flatten(1)], dim=1)
+        h_d, kv_d = num_heads * head_dim, num_kv_heads * head_dim
+        query = qkv[:, :h_d].view(-1, num_heads, head_dim)
+        key = qkv[:, h_d:h_d + kv_d].view(-1, num_kv_heads, head_dim)
+        value = qkv[:, h_d + kv_d:].view(-1, num_kv_heads, head_dim)
+    scale = head_dim ** -0.5
+    cache_ref = cache.clone()
+    ref.store_kv(key, value, cache_ref, meta.slot_mapping)
+    ta.store_kv(key, value, cache, meta.slot_mapping)
+    assert torch.equal(cache, cache_ref), "triton store_kv differs from the reference"
+    n = meta.query_start_loc_cpu[-1]
+    expected = ref.paged_attention_ref(query[:n], cache_ref, meta, scale).float()
+    got = ta.paged_attention(query, cache, meta, scale, num_splits=num_splits)[:n].float()
+    err = (got - expected).abs().max().item()
+    assert err <= ATOL[dtype], f"max abs error {err} > {ATOL[dtype]} for {specs} {dtype} D={head_dim}"
+    return err
+
+
+# ------------------------------------------------------------------------------------------------ GPU tests
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, gpu]
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_with_cached_prefix(dtype, head_dim):
+    check_attention([(37, 0), (5, 16), (128, 300), (2, 7), (200, 33)], 8, 2, head_dim, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 16])
+def test_decode_long_contexts_split_k(dtype, head_dim, num_splits):
+    specs = [(1, 4000), (1, 17), (1, 0), (1, 1023), (1, 2500)]
+    check_attention(specs, 32, 8, head_dim, dtype, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(8, 8), (12, 4), (14, 2), (16, 1)])
+def test_mixed_batch_gqa(dtype, heads):
+    specs = [(1, 900), (64, 100), (1, 5), (300, 0), (1, 3000), (17, 17)]
+    check_attention(specs, heads[0], heads[1], 128, dtype, pad_tokens=5, strided_kv=True)
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 80, 256])
+@pytest.mark.parametrize("block_size", [1, 16, 32, 256])
+def test_odd_head_dims_and_block_sizes(head_dim, block_size):
+    check_attention([(1, 700), (40, 90), (1, 1)], 4, 2, head_dim, torch.float16, block_size=block_size)
+
+
+def test_many_decode_rows():
+    specs = [(1, (i * 997) % 3000) for i in range(64)]
+    check_attention(specs, 32, 8, 128, torch.bfloat16)
