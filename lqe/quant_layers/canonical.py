@@ -52,3 +52,26 @@ class CanonicalWeight:
         g = k if self.group_size == -1 else self.group_size
         trivial = torch.arange(k, device=self.g_idx.device) // g
         return not torch.equal(self.g_idx.long(), trivial)
+
+
+def build_canonical(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    g_idx: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+) -> CanonicalWeight:
+    """A validated CanonicalWeight: ``scales``/``zeros`` must have ``ceil(K/g)`` rows (1 for ``group_size=-1``),
+    and a trivial ``g_idx`` (``k // g``) is dropped so kernels see act-order only when it is real."""
+    k, n = int(codes.shape[0]), int(codes.shape[1])
+    g = 1 if group_size == -1 else -(-k // group_size)
+    if tuple(scales.shape) != (g, n):
+        raise ValueError(f"scales: expected shape {(g, n)} (ceil(K/g) groups for K={k}, group_size={group_size}), "
+                         f"found {tuple(scales.shape)}")
+    if zeros is not None and tuple(zeros.shape) != (g, n):
+        raise ValueError(f"zero points: expected shape {(g, n)}, found {tuple(zeros.shape)}")
+    cw = CanonicalWeight(codes, scales.float(), zeros, None if g_idx is None else g_idx.to(torch.int32), bits, group_size)
+    if not cw.has_act_order():
+        cw.g_idx = None
+    return cw

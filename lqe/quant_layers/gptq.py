@@ -15,13 +15,10 @@ from torch import nn
 
 from lqe.quant_layers import reference as ref
 from lqe.quant_layers.base import LinearMethod, QuantConfig, empty_param
+from lqe.quant_layers.canonical import CanonicalWeight, build_canonical
 from lqe.quant_layers.gptq_rules import NO_MATCH, SKIP, DynamicRule, dynamic_for_layer, layer_quantized, parse_dynamic
-from lqe.quant_layers.loading import FLOAT_DTYPES, add_param, drop_params, is_loaded, require_loaded
-from lqe.quant_layers.wna16_kernels import select_w4a16_kernel
-
-
-class QuantWarning(UserWarning):
-    """A checkpoint oddity lqe can load but the user should know about."""
+from lqe.quant_layers.loading import FLOAT_DTYPES, add_param, is_loaded, require_loaded
+from lqe.quant_layers.weight_only import QuantWarning, WeightOnlyMethod, group_label, warn
 
 
 @dataclass(slots=True)
@@ -89,16 +86,16 @@ class GPTQConfig(QuantConfig):
         return None if params is None else GPTQLinearMethod(params)
 
 
-class GPTQLinearMethod(LinearMethod):
+class GPTQLinearMethod(WeightOnlyMethod):
     CHECKPOINT_PARAMS = ("qweight", "qzeros", "scales", "g_idx")
 
     def __init__(self, params: GPTQParams) -> None:
+        super().__init__()
         self.p = params
-        self.summary = ""
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int], params_dtype: torch.dtype) -> None:
         b, k, n = self.p.bits, input_size, sum(output_sizes)
-        block, _ = ref.packing.values_per_block(b)
+        block, _ = ref.values_per_block(b)
         where = f"{layer.prefix} ({b}-bit GPTQ)"
         if k % block:
             raise ValueError(f"{where}: input size {k} must be a multiple of {block} to pack qweight along K")
@@ -113,7 +110,7 @@ class GPTQLinearMethod(LinearMethod):
         add_param(layer, "scales", empty_param((g, n), torch.float32, output_dim=1), FLOAT_DTYPES)
         add_param(layer, "g_idx", empty_param((k,), torch.int32), (torch.int32, torch.int64), mode="shared")
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def decode(self, layer: nn.Module) -> tuple[CanonicalWeight, str]:
         p = self.p
         require_loaded(layer, ["qweight", "scales"] + ([] if p.sym else ["qzeros"]))
         k, n = layer.input_size, layer.output_size
@@ -127,14 +124,9 @@ class GPTQLinearMethod(LinearMethod):
             self._check_zeros(layer.prefix, stored)
         zeros = None if p.sym else ref.gptq_true_zeros(stored, p.bits, p.fmt)
         codes = ref.unpack_gptq_qweight(layer.qweight.data, p.bits, k)
-        cw = ref.canonical_from(codes, layer.scales.data, zeros, g_idx, p.bits, p.group_size)
-        kernel, _ = select_w4a16_kernel(cw, layer.qweight.device, layer.params_dtype)
-        drop_params(layer, list(self.CHECKPOINT_PARAMS))
-        layer.qkernel = kernel
-        gs = "channel" if p.group_size == -1 else f"g{p.group_size}"
-        order = " act-order" if cw.g_idx is not None else ""
+        cw = build_canonical(codes, layer.scales.data, zeros, g_idx, p.bits, p.group_size)
         zp = "sym" if p.sym else f"asym {p.fmt}"
-        self.summary = f"gptq {p.bits}-bit {gs} {zp}{order}, {kernel.describe()}"
+        return cw, f"gptq {p.bits}-bit {group_label(p.group_size)} {zp}"
 
     def _check_zeros(self, prefix: str, stored: torch.Tensor) -> None:
         p = self.p
@@ -147,19 +139,11 @@ class GPTQLinearMethod(LinearMethod):
                 msg = f"stored qzeros are the {other} symmetric constant although the config says checkpoint_format {p.fmt!r}"
             else:
                 msg = f"stored qzeros are not the symmetric constant {expected} of checkpoint_format {p.fmt!r}"
-            warnings.warn(f"{prefix}: {msg}; ignored because sym=true (zero = {1 << (p.bits - 1)})", QuantWarning, stacklevel=3)
+            warn(f"{prefix}: {msg}; ignored because sym=true (zero = {1 << (p.bits - 1)})")
         elif p.fmt == "gptq":
             bad = int(ref.v1_zero_corruption(stored, p.bits).sum())
             if bad:
-                warnings.warn(
+                warn(
                     f"{prefix}: {bad} stored qzeros fields equal {(1 << p.bits) - 1}, the mark of a true zero point of 0 that "
                     "GPTQ v1 cannot represent; the packer likely corrupted neighbouring zero points in the same word. "
-                    "Decoded as zero 0; re-export as gptq_v2 for exact results.", QuantWarning, stacklevel=3)
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        shape = x.shape
-        out = layer.qkernel(x.reshape(-1, shape[-1]), bias)
-        return out.reshape(*shape[:-1], out.shape[-1]).to(x.dtype)
-
-    def describe(self, layer: nn.Module) -> str:
-        return self.summary or f"gptq {self.p.bits}-bit (not yet loaded)"
+                    "Decoded as zero 0; re-export as gptq_v2 for exact results.")

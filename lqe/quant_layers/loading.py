@@ -36,7 +36,7 @@ def make_loader(
     mode ``split``: shards go to their slice of ``param.output_dim``; when that dim is packed,
     ``packed_size(n)`` maps a shard's output size to its packed size (shards are padded separately).
     mode ``shared``: every shard carries the same tensor (GPTQ ``g_idx``); later shards must agree.
-    mode ``per_shard``: ``param`` has one row per shard (per-tensor scales); the tensor has one element."""
+    mode ``per_shard``: ``param`` has one row per shard (per-tensor scales, ``weight_shape``); the tensor fills one row."""
     from lqe.layers.linear import copy_checked  # lqe.layers imports this package
 
     def loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: str | int | None) -> None:
@@ -58,13 +58,15 @@ def make_loader(
                 first = next(iter(param.loaded_shards))
                 raise ValueError(f"tensor {label} differs from shard {first!r}: the fused shards must share one {name}")
         elif mode == "per_shard":
-            if loaded.numel() != 1 and not (shard_id is None and loaded.numel() == target.shape[0]):
-                raise ValueError(f"tensor {label}: expected one value per shard, found shape {tuple(loaded.shape)}")
-            if loaded.numel() == 1:
-                i = layer.shard_ids.index(shard_id) if fused else slice(None)
-                target[i] = loaded.reshape(()).to(target.dtype)
+            row = target[0]
+            if loaded.numel() == row.numel():  # one shard's value(s); a whole-layer value goes to every row
+                rows = [layer.shard_ids.index(shard_id)] if fused else list(range(target.shape[0]))
+                for i in rows:
+                    target[i].copy_(loaded.reshape(row.shape).to(target.dtype))
                 param.loaded_shards.add(shard_id)
                 return
+            if fused or loaded.numel() != target.numel():
+                raise ValueError(f"tensor {label}: expected {row.numel()} value(s) per shard, found shape {tuple(loaded.shape)}")
             loaded = loaded.reshape(target.shape)
         copy_checked(label, target, loaded)
         param.loaded_shards.add(shard_id)

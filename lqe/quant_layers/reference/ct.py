@@ -65,18 +65,22 @@ def encode_ct_packed(cw: CanonicalWeight, scale_dtype: torch.dtype = torch.float
     return out
 
 
-def expand_scale(scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Per-tensor ``[1]``/``[]``, per-channel ``[N, 1]``, group ``[N, G]`` or block ``[ceil(N/bh), ceil(K/bw)]``
-    (only for fp8 block, where ``G`` rows != N) scales -> a full ``[N, K]`` float32 tensor."""
+def expand_scale(scale: torch.Tensor, n: int, k: int, block: tuple[int, int] | None = None) -> torch.Tensor:
+    """Per-tensor ``[1]``/``[]``, per-channel ``[N]``/``[N, 1]``, or blockwise scales -> a full ``[N, K]`` float32
+    tensor. Blockwise needs ``block = (rows, cols)`` covered by one scale: ``(1, g)`` for group scales ``[N, G]``,
+    ``(128, 128)`` for fp8 block scales ``[ceil(N/128), ceil(K/128)]`` (edge blocks are short)."""
     s = scale.float()
     if s.numel() == 1:
         return s.reshape(1, 1).expand(n, k)
     if s.dim() == 1 and s.shape[0] == n:
         s = s.unsqueeze(1)
-    if s.dim() != 2:
-        raise ValueError(f"weight_scale: cannot expand shape {tuple(scale.shape)} to weight [{n}, {k}]")
-    rows, cols = s.shape
-    bh, bw = -(-n // rows), -(-k // cols)
+    if s.dim() == 2 and tuple(s.shape) == (n, 1):
+        return s.expand(n, k)
+    if block is None or s.dim() != 2:
+        raise ValueError(f"weight_scale: cannot expand shape {tuple(scale.shape)} to weight [{n}, {k}] without a block size")
+    bh, bw = block
+    if tuple(s.shape) != (-(-n // bh), -(-k // bw)):
+        raise ValueError(f"weight_scale: expected shape {(-(-n // bh), -(-k // bw))} for blocks {block} of [{n}, {k}], found {tuple(s.shape)}")
     return s.repeat_interleave(bh, 0)[:n].repeat_interleave(bw, 1)[:, :k]
 
 
@@ -89,10 +93,10 @@ def dequant_ct_int(weight: torch.Tensor, weight_scale: torch.Tensor, weight_zero
     return q * expand_scale(weight_scale, n, k)
 
 
-def dequant_fp8(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """float-quantized e4m3 ``[N, K]`` -> float32 ``float(weight) * scale`` (tensor, channel or block scale)."""
+def dequant_fp8(weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None = None) -> torch.Tensor:
+    """float-quantized e4m3 ``[N, K]`` -> float32 ``float(weight) * scale`` (tensor, channel, or ``block`` scales)."""
     n, k = weight.shape
-    return weight.float() * expand_scale(weight_scale, n, k)
+    return weight.float() * expand_scale(weight_scale, n, k, block)
 
 
 def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,123 @@
+"""W8A8 int8 (compressed-tensors ``int-quantized``, SmoothQuant-style; FORMATS.md §3.4).
+
+Weights: symmetric int8 ``[N, K]`` with per-channel ``[N, 1]`` or per-tensor scales (one scalar per fused
+shard, expanded per channel). Activations: dynamic per token, or static per tensor (``input_scale``, max over
+fused shards), symmetric or asymmetric (``input_zero_point``; ``azp * colsum(W)`` correction). int8 x int8
+with int32 accumulation (``torch._int_mm`` where it works, else an exact float64 product), then the epilogue.
+Weight-only int8 (no ``input_activations``) runs through :class:`Int8WeightOnly`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lqe.quant_layers import reference as ref
+from lqe.quant_layers.base import LinearMethod, empty_param
+from lqe.quant_layers.canonical import CanonicalWeight
+from lqe.quant_layers.ct_scheme import CTScheme
+from lqe.quant_layers.loading import FLOAT_DTYPES, INT_DTYPES, add_param, drop_params, require_loaded
+from lqe.quant_layers.wna16_kernels import select_w4a16_kernel
+
+_INT_MM_BROKEN: set[str] = set()
+
+
+def int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Exact ``a [M,K] int8 @ b [K,N] int8 -> int32``."""
+    dev = a.device.type
+    if dev not in _INT_MM_BROKEN:
+        try:
+            return torch._int_mm(a, b)
+        except RuntimeError:
+            if dev == "cpu":
+                _INT_MM_BROKEN.add(dev)
+    return (a.double() @ b.double()).to(torch.int32)  # |acc| <= K * 2^14 < 2^53: exact
+
+
+def per_shard_to_channel(values: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """One scalar per fused shard -> one value per output channel."""
+    return torch.cat([values[i].reshape(1).expand(s) for i, s in enumerate(sizes)])
+
+
+def merge_static_input(scales: torch.Tensor, zps: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Fused shards share one activation quantizer: symmetric -> the max scale; asymmetric -> the range that
+    covers every shard's range, re-derived as one (scale, zero point)."""
+    if zps is None:
+        return scales.max().reshape(1), None
+    lo = (scales * (-128 - zps.float())).min()
+    hi = (scales * (127 - zps.float())).max()
+    if bool((scales == scales[0]).all()) and bool((zps == zps[0]).all()):
+        return scales[:1].clone(), zps[:1].to(torch.int32).clone()
+    scale = (hi - lo) / 255.0
+    return scale.reshape(1), torch.round(-128 - lo / scale).to(torch.int32).reshape(1)
+
+
+class W8A8Int8Method(LinearMethod):
+    def __init__(self, scheme: CTScheme) -> None:
+        self.s = scheme
+        self.summary = ""
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int], params_dtype: torch.dtype) -> None:
+        n, k, shards = sum(output_sizes), input_size, len(output_sizes)
+        hint = self.s.dtype_hint
+        add_param(layer, "weight", empty_param((n, k), torch.int8, output_dim=0, input_dim=1), (torch.int8,), hint=hint)
+        if self.s.weights.strategy == "channel":
+            add_param(layer, "weight_scale", empty_param((n, 1), torch.float32, output_dim=0), FLOAT_DTYPES)
+        else:
+            add_param(layer, "weight_scale", empty_param((shards,), torch.float32), FLOAT_DTYPES, mode="per_shard")
+        a = self.s.input_activations
+        if a is not None and not a.dynamic:
+            add_param(layer, "input_scale", empty_param((shards,), torch.float32), FLOAT_DTYPES, mode="per_shard")
+            if not a.symmetric:
+                add_param(layer, "input_zero_point", empty_param((shards,), torch.int32), INT_DTYPES, mode="per_shard")
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        a = self.s.input_activations
+        static = a is not None and not a.dynamic
+        names = ["weight", "weight_scale"] + (["input_scale"] if static else []) + (["input_zero_point"] if static and not a.symmetric else [])
+        require_loaded(layer, names)
+        ws = layer.weight_scale.data.float()
+        s_w = ws.reshape(-1) if self.s.weights.strategy == "channel" else per_shard_to_channel(ws, layer.output_sizes)
+        w = layer.weight.data
+        if a is None:
+            cw = CanonicalWeight((w.to(torch.int16) + 128).to(torch.uint8).t().contiguous(), s_w.reshape(1, -1), None, None, 8, -1)
+            kernel, _ = select_w4a16_kernel(cw, w.device, layer.params_dtype)
+            layer.qkernel = kernel
+            self.summary = f"w8a16 int8 {self.s.weights.strategy}, {kernel.describe()}"
+        else:
+            layer.register_buffer("w_int8_t", w.t().contiguous())
+            layer.register_buffer("w_scale", s_w.contiguous())
+            layer.register_buffer("azp_adj", None if a.symmetric else w.to(torch.int64).sum(dim=1))
+            if static:
+                zps = None if a.symmetric else layer.input_zero_point.data
+                s_in, z_in = merge_static_input(layer.input_scale.data.float(), zps)
+                layer.register_buffer("in_scale", s_in)
+                layer.register_buffer("in_zp", z_in)
+            act = f"{'static per-tensor' if static else 'dynamic per-token'} {'sym' if a.symmetric else 'asym'}"
+            mm = "torch._int_mm" if "cpu" not in _INT_MM_BROKEN else "exact fallback"
+            self.summary = f"w8a8 int8 {self.s.weights.strategy} weights, {act} activations, {mm} ({w.device.type})"
+        drop_params(layer, ["weight", "weight_scale", "input_scale", "input_zero_point"])
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.s.input_activations is None:
+            out = layer.qkernel(x2, bias)
+        else:
+            out = self._w8a8(layer, x2, bias)
+        return out.reshape(*shape[:-1], out.shape[-1]).to(x.dtype)
+
+    def _w8a8(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        a = self.s.input_activations
+        if a.dynamic:
+            x_q, s_a, azp = ref.per_token_quant_int8(x, a.symmetric)
+        else:
+            s_a, azp = layer.in_scale, layer.in_zp
+            x_q = ref.static_quant_int8(x, s_a, azp)
+        acc = int8_mm(x_q, layer.w_int8_t)
+        if azp is not None:
+            acc = acc.to(torch.int64) - azp.to(torch.int64).reshape(-1, 1) * layer.azp_adj
+        out = (s_a.reshape(-1, 1) * layer.w_scale) * acc.to(torch.float32)
+        return out if bias is None else out + bias.float()
+
+    def describe(self, layer: nn.Module) -> str:
+        return self.summary or "w8a8 int8 (weights not processed yet)"
