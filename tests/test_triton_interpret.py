@@ -68,13 +68,13 @@ def test_triton_kernels_under_interpreter():
 
 
 def test_backends_module_imports_without_gpu():
-    """Importing the backends never raises, with or without triton / flash_attn / CUDA."""
-    env = {k: v for k, v in os.environ.items() if k not in ("LQE_ATTENTION_BACKEND", "TRITON_INTERPRET")}
-    code = ("import sys; sys.path.insert(0, %r)\n"
-            "import lqe.kernels.attention_backends as m\n"
-            "from lqe.layers import attention\n"
-            "import torch\n"
-            "assert ('triton' in attention._BACKENDS) == (m._ta is not None and torch.cuda.is_available())\n"
-            "print('IMPORT-OK')") % str(ROOT)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and "IMPORT-OK" in proc.stdout, proc.stderr[-4000:]
+    """Importing the backends never raises; without CUDA (and unforced) no GPU backend is registered."""
+    import torch
+
+    import lqe.kernels.attention_backends as m
+    from lqe.layers import attention
+
+    forced = os.environ.get("LQE_ATTENTION_BACKEND") == "triton"
+    assert ("triton" in attention._BACKENDS) == (m._ta is not None and (torch.cuda.is_available() or forced))
+    if not torch.cuda.is_available():
+        assert "flash_attn" not in attention._BACKENDS

@@ -250,6 +250,16 @@ def _blocks(head_dim: int) -> tuple[int, int, int]:
     return 32, 32, 4
 
 
+_LAST_PLAN: list = [None, False]  # (metadata object, has decode rows): every layer of a step shares its metadata
+
+
+def _has_decode_rows(meta: AttentionMetadata) -> bool:
+    if _LAST_PLAN[0] is not meta:
+        qsl = meta.query_start_loc_cpu
+        _LAST_PLAN[:] = [meta, any(qsl[i + 1] - qsl[i] == 1 for i in range(meta.num_seqs))]
+    return _LAST_PLAN[1]
+
+
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
     """Causal attention of ``query [T, H, D]`` over the paged cache (K/V of this step already stored)."""
@@ -272,8 +282,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     precision = "ieee" if query.dtype == torch.float32 else None  # fp32 tests want exact fp32, not tf32
     kv_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
     decode_only = meta.max_query_len == 1
-    has_decode = decode_only or any(
-        meta.query_start_loc_cpu[i + 1] - meta.query_start_loc_cpu[i] == 1 for i in range(b))
+    has_decode = decode_only or _has_decode_rows(meta)
 
     if not decode_only:
         block_m, block_n, warps = _blocks(head_dim)

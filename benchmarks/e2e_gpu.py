@@ -1,0 +1,285 @@
+"""End-to-end GPU benchmark (issue 7): random-weight models shaped like real ones, bf16 / W4A16 / W8A8.
+
+Per (model shape, variant) it measures, through the public API (``LLM.generate`` on token-id prompts, greedy,
+``ignore_eos``):
+
+* ``decode_tok_s_bs1`` / ``decode_tok_s_bs16``: generated tokens per second after the first token, one request /
+  16 requests (128-token prompts, 256 new tokens);
+* ``ttft_ms``: time to first token of one 512-token prompt (median of 3, prefix caching off);
+* ``throughput_tok_s``: output tokens per second over N requests (default 256) whose input and output lengths are
+  uniform in [100, 1024] (seeded); ``total_tok_s`` adds the prompt tokens;
+* ``weight_gbps_bs1``: weight bytes read per decoded token (every weight except the embedding table, which is
+  gathered, unless tied to the LM head) x ``decode_tok_s_bs1``: compare with the GPU's HBM bandwidth.
+
+Results go to ``benchmarks/results/e2e-<gpu>.json`` (rows of other shapes/variants already there are kept).
+Quantized variants come from ``python -m tools.convert quantize --method rtn --format gptq|w8a8``; when that
+fails the variant is skipped with the reason printed.
+
+    python benchmarks/e2e_gpu.py                      # everything (an 8B model: allow ~20 minutes)
+    python benchmarks/e2e_gpu.py --quick              # small shapes, 32 requests: a smoke run of a few minutes
+    python benchmarks/e2e_gpu.py --shapes smollm2-135m --variants bf16,w4a16 --num-requests 64
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+SHAPES = {  # HF config fields of the real models; weights are random
+    "llama3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                                num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+                                max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    "smollm2-135m": ("llama", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                                   num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0,
+                                   max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True)),
+    "qwen2.5-0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                                   num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0,
+                                   max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True)),
+}
+VARIANTS = {"bf16": None, "w4a16": "gptq", "w8a8": "w8a8"}  # variant -> tools.convert --format
+MAX_MODEL_LEN = 2048 + 64
+SHARD_BYTES = 4 << 30
+
+
+# ------------------------------------------------------------------------------------------------ models
+def build_random_model(shape: str, out_dir: Path, seed: int) -> Path:
+    """A bf16 safetensors checkpoint with the shape's config and N(0, 0.02) weights (norm weights 1)."""
+    if (out_dir / "config.json").exists():
+        return out_dir
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    arch, fields = SHAPES[shape]
+    cfg_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    config = cfg_cls(**fields, torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1)
+    config.architectures = [model_cls.__name__]
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in model_cls(config).state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    shard, shard_bytes, weight_map, n = {}, 0, {}, 0
+
+    def flush():
+        nonlocal shard, shard_bytes, n
+        if shard:
+            name = f"model-{n:05d}.safetensors"
+            save_file(shard, str(tmp / name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+            shard, shard_bytes, n = {}, 0, n + 1
+
+    for name, shp in shapes.items():
+        if name.endswith("norm.weight"):
+            t = torch.ones(shp, dtype=torch.bfloat16)
+        else:
+            t = (torch.randn(shp, generator=gen, device=dev) * 0.02).to(torch.bfloat16).cpu()
+        shard[name] = t
+        shard_bytes += t.numel() * 2
+        if shard_bytes >= SHARD_BYTES:
+            flush()
+    flush()
+    config.save_pretrained(tmp)
+    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    tmp.rename(out_dir)
+    return out_dir
+
+
+def quantize(src: Path, fmt: str, out_dir: Path) -> tuple[Path | None, str]:
+    if (out_dir / "config.json").exists():
+        return out_dir, ""
+    cmd = [sys.executable, "-m", "tools.convert", "quantize", "--method", "rtn", "--format", fmt,
+           "--model", str(src), "--output", str(out_dir)]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    except Exception as e:  # noqa: BLE001
+        return None, f"{' '.join(cmd)} failed: {e}"
+    if proc.returncode != 0 or not (out_dir / "config.json").exists():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        return None, f"{' '.join(cmd)} exited {proc.returncode}: " + " | ".join(tail)
+    return out_dir, ""
+
+
+# ------------------------------------------------------------------------------------------------ measurements
+def _prompts(rng: random.Random, n: int, length: int | tuple[int, int], vocab: int) -> list[list[int]]:
+    out = []
+    for _ in range(n):
+        k = length if isinstance(length, int) else rng.randint(*length)
+        out.append([rng.randrange(2, vocab) for _ in range(k)])
+    return out
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def decode_tok_s(llm, sp_cls, batch: int, vocab: int, rng: random.Random, new_tokens: int = 256) -> float:
+    prompts = _prompts(rng, batch, 128, vocab)
+    _sync()
+    outs = llm.generate(prompts, sp_cls(max_tokens=new_tokens, ignore_eos=True, temperature=0), use_tqdm=False)
+    _sync()
+    end = time.monotonic()
+    firsts = [o.metrics.first_token_time for o in outs if o.metrics and o.metrics.first_token_time]
+    if len(firsts) != batch:
+        raise RuntimeError("the engine reported no first-token times (RequestOutput.metrics)")
+    generated = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+    return generated / (end - max(firsts))
+
+
+def ttft_ms(llm, sp_cls, vocab: int, rng: random.Random, prompt_len: int = 512, reps: int = 3) -> float:
+    times = []
+    for p in _prompts(rng, reps, prompt_len, vocab):
+        _sync()
+        t0 = time.perf_counter()
+        llm.generate([p], sp_cls(max_tokens=1, ignore_eos=True, temperature=0), use_tqdm=False)
+        _sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def throughput(llm, sp_cls, n: int, vocab: int, seed: int, lo: int = 100, hi: int = 1024) -> tuple[float, float]:
+    rng = random.Random(seed)
+    prompts = _prompts(rng, n, (lo, hi), vocab)
+    params = [sp_cls(max_tokens=rng.randint(lo, hi), ignore_eos=True, temperature=0) for _ in range(n)]
+    _sync()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    _sync()
+    dt = time.perf_counter() - t0
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return out_tokens / dt, (out_tokens + sum(map(len, prompts))) / dt
+
+
+def decode_weight_bytes(llm) -> int:
+    """Bytes of weights one decode step reads: all of them, less the gathered embedding table when untied."""
+    runner = llm.llm_engine.runner
+    total = runner.weight_bytes()
+    model = runner.model
+    emb = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if emb is not None and not getattr(model, "tied", False):
+        total -= sum(p.numel() * p.element_size() for p in emb.parameters())
+    return total
+
+
+def run_variant(model_dir: Path, args, vocab: int) -> dict:
+    from lqe import LLM, SamplingParams
+
+    llm = LLM(model=str(model_dir), dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
+              gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed)
+    rng = random.Random(args.seed)
+    llm.generate(_prompts(rng, 2, 64, vocab), SamplingParams(max_tokens=8, ignore_eos=True, temperature=0),
+                 use_tqdm=False)  # warm-up: kernel compilation / autotuning
+    row = {"attention_backend": llm.llm_engine.runner.attention_backend}
+    row["decode_tok_s_bs1"] = decode_tok_s(llm, SamplingParams, 1, vocab, rng)
+    row["decode_tok_s_bs16"] = decode_tok_s(llm, SamplingParams, 16, vocab, rng)
+    row["ttft_ms"] = ttft_ms(llm, SamplingParams, vocab, rng)
+    row["throughput_tok_s"], row["total_tok_s"] = throughput(llm, SamplingParams, args.num_requests, vocab, args.seed)
+    row["weight_bytes"] = decode_weight_bytes(llm)
+    row["weight_gbps_bs1"] = row["weight_bytes"] * row["decode_tok_s_bs1"] / 1e9
+    del llm
+    torch.cuda.empty_cache()
+    return row
+
+
+# ------------------------------------------------------------------------------------------------ main
+def environment() -> dict:
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+           "gpu": torch.cuda.get_device_name(0), "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
+           "LQE_ATTENTION_BACKEND": os.environ.get("LQE_ATTENTION_BACKEND")}
+    for mod in ("triton", "flash_attn", "transformers"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            env[mod] = None
+    try:
+        env["lqe_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                           text=True).stdout.strip() or None
+    except OSError:
+        env["lqe_commit"] = None
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--work-dir", default=os.environ.get("LQE_BENCH_DIR", str(Path(tempfile.gettempdir()) / "lqe-e2e-models")),
+                    help="where random checkpoints are built (and reused)")
+    ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--quick", action="store_true", help="small shapes only, 32 requests (a smoke run)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("e2e_gpu.py needs a CUDA GPU: none is visible (torch.cuda.is_available() is False). Nothing was run.")
+        return 2
+    if args.quick:
+        args.shapes = ",".join(s for s in args.shapes.split(",") if s != "llama3-8b")
+        args.num_requests = min(args.num_requests, 32)
+    shapes, variants = args.shapes.split(","), args.variants.split(",")
+    for name, allowed in (("shape", SHAPES), ("variant", VARIANTS)):
+        bad = [x for x in (shapes if name == "shape" else variants) if x not in allowed]
+        if bad:
+            ap.error(f"unknown {name} {bad}; choose from {', '.join(allowed)}")
+
+    gpu_slug = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-")
+    out_path = Path(args.out_dir) / f"e2e-{gpu_slug}.json"
+    old = json.loads(out_path.read_text())["rows"] if out_path.exists() else []
+    rows = {(r["model_shape"], r["variant"]): r for r in old}
+    work = Path(args.work_dir)
+    for shape in shapes:
+        vocab = SHAPES[shape][1]["vocab_size"]
+        t0 = time.perf_counter()
+        base = build_random_model(shape, work / shape / "bf16", args.seed)
+        print(f"[{shape}] random bf16 checkpoint at {base} ({time.perf_counter() - t0:.0f}s)", flush=True)
+        for variant in variants:
+            model_dir, why = base, ""
+            if VARIANTS[variant]:
+                model_dir, why = quantize(base, VARIANTS[variant], work / shape / variant)
+            if model_dir is None:
+                print(f"[{shape}/{variant}] skipped: {why}", flush=True)
+                continue
+            t0 = time.perf_counter()
+            try:
+                row = run_variant(model_dir, args, vocab)
+            except Exception as e:  # noqa: BLE001 -- one broken variant must not lose the others
+                print(f"[{shape}/{variant}] failed: {type(e).__name__}: {e}", flush=True)
+                continue
+            row = {"model_shape": shape, "variant": variant, **row, "num_requests": args.num_requests,
+                   "seed": args.seed, "seconds": round(time.perf_counter() - t0, 1)}
+            rows[(shape, variant)] = row
+            print(f"[{shape}/{variant}] " + ", ".join(
+                f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                if k not in ("model_shape", "variant")), flush=True)
+            out_path.parent.mkdir(parents=True, exist_ok=True)
+            out_path.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "env": environment(),
+                                            "rows": list(rows.values())}, indent=1))
+    print(f"wrote {out_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
