@@ -53,7 +53,9 @@ class LLM:
     def chat(self, messages: list[Message] | list[list[Message]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Generate replies through the tokenizer's chat template; one conversation or a list of them."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not messages:
+            raise ValueError("messages is empty: give at least one {'role': ..., 'content': ...} message")
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
         return self.generate([self.apply_chat_template(c, add_generation_prompt) for c in convs], sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:

@@ -118,7 +118,6 @@ class BlockManager:
         seq.block_hashes = []
         seq.num_hashed_blocks = 0
         seq.num_computed_tokens = 0
-        seq.num_cached_tokens = 0
 
     def _take(self, bid: int) -> None:
         block = self.blocks[bid]

@@ -6,7 +6,6 @@ grouping query heads over their shared KV head.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from lqe.engine.forward_context import AttentionMetadata
 
@@ -55,12 +54,27 @@ def paged_attention_ref(
         ctx = seq_len - (end - start)
         q_pos = torch.arange(ctx, seq_len, device=query.device)
         mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]  # [L, S]
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
-            attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads,
-        )
+        o = _attend(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask, scale)  # [H, L, D]
         out[start:end] = o.transpose(0, 1)
     return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """``q [H, L, D]``, ``k``/``v`` ``[KVH, S, D]``, ``mask [L, S]`` (True = attend) -> ``[H, L, D]``.
+
+    Query heads ``h`` use KV head ``h // (H // KVH)``; grouping them avoids materialising repeated K/V."""
+    return _attend_batched(q[None], k[None], v[None], mask[None, None], scale)[0]
+
+
+def _attend_batched(q, k, v, mask, scale):
+    """``q [B, H, L, D]``, ``k``/``v`` ``[B, KVH, S, D]``, ``mask`` broadcastable to ``[B, 1, L, S]``."""
+    b, h, l, d = q.shape
+    kvh, s = k.shape[1], k.shape[2]
+    g = h // kvh
+    scores = torch.matmul(q.float().reshape(b, kvh, g * l, d), k.float().transpose(-1, -2)) * scale
+    scores = scores.view(b, kvh, g, l, s).masked_fill(~mask.reshape(b, 1, 1, l, s), float("-inf"))
+    probs = scores.view(b, kvh, g * l, s).softmax(dim=-1)
+    return torch.matmul(probs, v.float()).view(b, h, l, d).to(q.dtype)
 
 
 def _batched_decode(query, kv_cache, meta: AttentionMetadata, rows: list[int], scale: float, out) -> None:
@@ -76,5 +90,5 @@ def _batched_decode(query, kv_cache, meta: AttentionMetadata, rows: list[int], s
     q = query[idx].unsqueeze(2)  # [B, H, 1, D]
     k, v = kv[0].transpose(1, 2).to(q.dtype), kv[1].transpose(1, 2).to(q.dtype)  # [B, KVH, S, D]
     mask = (torch.arange(max_len, device=query.device)[None, :] < lens[:, None])[:, None, None, :]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    o = _attend_batched(q, k, v, mask, scale)
     out[idx] = o.squeeze(2)

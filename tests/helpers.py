@@ -1,0 +1,56 @@
+"""Builders for tiny random-weight checkpoints that the tests load through the engine."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def copy_tokenizer(dst: str) -> None:
+    from lqe.loaders.model_source import demo_model_dir
+
+    src = demo_model_dir()
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), dst)
+
+
+def tiny_config(arch: str = "llama", **overrides):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    base = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=49152, max_position_embeddings=1024, rms_norm_eps=1e-6,
+                initializer_range=0.25, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    base.update(overrides)
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    if arch == "qwen3":
+        base.setdefault("head_dim", 32)
+    return cls(**base)
+
+
+def build_tiny_model(path: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
+    """Save a random-weight HF model (fp32, safetensors) with the SmolLM2 tokenizer into ``path``."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch, **overrides)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # HF zero-inits biases and ones-inits norms; make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    copy_tokenizer(path)
+    return path
+
+
+def hf_logprobs(model_dir: str, token_ids: list[int]) -> torch.Tensor:
+    """``[len, vocab]`` log-softmax of HF transformers' logits over ``token_ids`` (fp32, one forward)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].float().log_softmax(-1)
