@@ -1,0 +1,181 @@
+"""GEMM kernel benchmark on Llama-3-8B layer shapes: lqe W4A16 / W8A8 / FP8 against cuBLAS bf16,
+torch._weight_int4pack_mm, torch._int_mm and torch._scaled_mm, with device-to-device copy bandwidth as the
+memory roofline. Weights are rotated over enough copies to exceed the L2 cache.
+
+    python benchmarks/kernels.py [--m 1 16 128] [--shapes 4096x4096] [--out results.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # K x N: qkv, o, gate_up, down
+MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024]
+L2_BYTES = 50 * 2**20
+ROTATE_BYTES = 4 * L2_BYTES
+
+
+def bench(fn, reps: int = 100) -> float:
+    """Median microseconds of ``fn()`` on CUDA events (triton.testing.do_bench when importable)."""
+    try:
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=25, rep=reps, return_mode="median") * 1e3
+    except ImportError:
+        pass
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def rotating(make, nbytes: int) -> list:
+    """Enough independent copies of a weight that cycling through them spills the L2."""
+    return [make() for _ in range(max(2, min(32, math.ceil(ROTATE_BYTES / max(nbytes, 1)))))]
+
+
+def cycler(items):
+    state = {"i": 0}
+
+    def nxt():
+        state["i"] = (state["i"] + 1) % len(items)
+        return items[state["i"]]
+
+    return nxt
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = bench(lambda: dst.copy_(src), reps=50)
+    return 2 * src.numel() / (us * 1e-6) / 1e9  # read + write
+
+
+def candidates(k: int, n: int):
+    """``name -> (setup(m) -> fn, weight_bytes)`` for every kernel that can run here, plus skip notes."""
+    import lqe.kernels as lk
+    from lqe.kernels import w8a8
+    from lqe.quant_layers.canonical import CanonicalWeight
+
+    dev, out = "cuda", {}
+    wbytes_bf16 = k * n * 2
+    ws = rotating(lambda: torch.randn(k, n, device=dev, dtype=torch.bfloat16) * 0.02, wbytes_bf16)
+    out["cublas-bf16"] = (lambda x: (lambda w=cycler(ws): lambda: torch.matmul(x, w()))(), wbytes_bf16)
+
+    if lk.available():
+        def make_w4():
+            cw = CanonicalWeight(torch.randint(0, 16, (k, n), dtype=torch.uint8, device=dev),
+                                 torch.rand(k // 128, n, device=dev) * 0.01 + 1e-3, None, None, 4, 128)
+            return lk.select_w4a16_kernel(cw, dev, torch.bfloat16)[0].packed
+        w4bytes = k * n // 2 + (k // 128) * n * 2
+        p4 = rotating(make_w4, w4bytes)
+        for name, path in [("lqe-w4a16", "auto"), ("lqe-w4a16-fused", "fused"), ("lqe-w4a16-dequant", "dequant")]:
+            out[name] = ((lambda path: lambda x: (lambda p=cycler(p4): lambda: lk.wna16_gemm(x, p(), path=path))())(path), w4bytes)
+
+        def make_w8():
+            wq = torch.randint(-127, 128, (k, n), dtype=torch.int8, device=dev)
+            return lk.repack_w8a8(wq, torch.rand(n, device=dev) * 0.01)
+        p8 = rotating(make_w8, k * n)
+
+        def setup_w8a8(x):
+            q, s, _ = w8a8.quantize_per_token(x)
+            p = cycler(p8)
+            return lambda: w8a8.w8a8_gemm(q, s, p(), out_dtype=torch.bfloat16)
+        out["lqe-w8a8"] = (setup_w8a8, k * n)
+    else:
+        print(f"# lqe kernels unavailable: {lk.unavailable_reason()}")
+
+    try:  # torch's int4 kernel (tinygemm); API differs between torch versions
+        def make_i4():
+            wi = torch.randint(0, 16, (n, k), dtype=torch.int32, device=dev)
+            packed = torch._convert_weight_to_int4pack((wi[:, ::2] << 4 | wi[:, 1::2]).to(torch.uint8), 8)
+            sz = torch.stack([torch.rand(k // 128, n, device=dev), torch.zeros(k // 128, n, device=dev)], -1)
+            return packed, sz.to(torch.bfloat16).contiguous()
+        i4 = rotating(make_i4, k * n // 2)
+        torch._weight_int4pack_mm(torch.randn(1, k, device=dev, dtype=torch.bfloat16), *i4[0][:1], 128, i4[0][1])
+        out["torch-int4pack"] = (lambda x: (lambda c=cycler(i4): lambda: (lambda t: torch._weight_int4pack_mm(x, t[0], 128, t[1]))(c()))(), k * n // 2)
+    except Exception as e:  # noqa: BLE001
+        print(f"# torch-int4pack skipped: {type(e).__name__}: {str(e)[:120]}")
+
+    wi8 = rotating(lambda: torch.randint(-127, 128, (n, k), dtype=torch.int8, device=dev).t(), k * n)
+    out["torch-int-mm"] = (lambda x: (lambda xq=torch.randint(-127, 128, x.shape, dtype=torch.int8, device=dev),
+                                             c=cycler(wi8): lambda: torch._int_mm(xq, c()))(), k * n)
+    if w8a8.fp8_supported() is None:
+        f8 = rotating(lambda: w8a8.fp8_quantize_weight(torch.randn(k, n, device=dev) * 0.02), k * n)
+
+        def setup_fp8(x):
+            xq, xs = w8a8.fp8_quantize_per_token(x)
+            c = cycler(f8)
+            return lambda: w8a8.fp8_gemm(xq, xs, *c())
+        out["lqe-fp8/torch-scaled-mm"] = (setup_fp8, k * n)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--m", type=int, nargs="*", default=MS)
+    ap.add_argument("--shapes", nargs="*", default=[f"{k}x{n}" for k, n in SHAPES])
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels-<gpu>.json, or $OUT)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/kernels.py: no CUDA device (torch.cuda.is_available() is False); nothing to measure.")
+        return 2
+    gpu = torch.cuda.get_device_name()
+    copy_gbps = copy_bandwidth()
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+           "capability": ".".join(map(str, torch.cuda.get_device_capability())),
+           "sms": torch.cuda.get_device_properties(0).multi_processor_count}
+    print(f"# {gpu} | torch {env['torch']} cuda {env['cuda']} | d2d copy {copy_gbps:.0f} GB/s")
+    rows = []
+    hdr = f"{'kernel':26s} {'KxN':>11s} {'M':>5s} {'us':>9s} {'TFLOP/s':>8s} {'GB/s':>7s} {'%copy':>6s} {'vs cuBLAS':>9s}"
+    for shape in args.shapes:
+        k, n = map(int, shape.split("x"))
+        cands = candidates(k, n)
+        print(hdr)
+        for m in args.m:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            base = None
+            for name, (setup, wbytes) in cands.items():
+                try:
+                    us = bench(setup(x))
+                except Exception as e:  # noqa: BLE001
+                    print(f"# {name} {shape} M={m} failed: {type(e).__name__}: {str(e)[:160]}")
+                    continue
+                if name == "cublas-bf16":
+                    base = us
+                gbps = (wbytes + m * k * 2 + m * n * 2) / (us * 1e-6) / 1e9
+                row = {"kernel": name, "shape": shape, "m": m, "us": round(us, 2),
+                       "tflops": round(2 * m * n * k / (us * 1e-6) / 1e12, 2), "gbps": round(gbps, 1),
+                       "speedup_vs_cublas": round(base / us, 3) if base else None}
+                rows.append(row)
+                print(f"{name:26s} {shape:>11s} {m:5d} {us:9.2f} {row['tflops']:8.2f} {gbps:7.0f} "
+                      f"{100 * gbps / copy_gbps:5.0f}% {row['speedup_vs_cublas'] or float('nan'):8.2f}x")
+        del cands
+        torch.cuda.empty_cache()
+    tag = "".join(c if c.isalnum() else "-" for c in gpu).strip("-").lower()
+    path = Path(args.out) if args.out else (Path(os.environ["OUT"]) if os.environ.get("OUT") else
+                                            Path(__file__).parent / "results") / f"kernels-{tag}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"device": gpu, "env": env, "copy_gbps": round(copy_gbps, 1), "rows": rows}, indent=1))
+    print(f"# wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

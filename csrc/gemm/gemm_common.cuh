@@ -1,0 +1,180 @@
+// Shared device helpers for the lqe GEMM kernels: mma.sync wrappers, streaming loads, fast int->half/bf16
+// dequantization in the repacked ("interleaved") nibble/byte order, and the split-K fix-up.
+//
+// Layout contract (mirrored exactly by lqe/kernels/repack.py and emulated by lqe/kernels/gemm_ref.py):
+//   lane = threadIdx.x % 32, g8 = lane / 4, t4 = lane % 4.
+//   For a 16(K) x 64(N) tile, lane owns columns n = j*8 + g8 (j = 0..7, one mma n8 tile each) and rows
+//   k = {2*t4, 2*t4+1, 2*t4+8, 2*t4+9} (the m16n8k16 B fragment: b0 = rows 2t4,2t4+1; b1 = rows +8).
+//   4-bit: 4 words per lane; word w holds tiles 2w and 2w+1, logical values
+//          v = [tile 2w: k0,k1,k8,k9 | tile 2w+1: k0,k1,k8,k9] at nibble positions [0,4,1,5,2,6,3,7],
+//          i.e. position p holds v[{0,2,4,6,1,3,5,7}[p]], so nibbles (p, p+4) form one half2.
+//   8-bit: 8 words per lane; word j holds tile j, values [k0,k1,k8,k9] at byte positions [0,2,1,3].
+//   Scales/zeros [G, N]: inside every 64-column block, stored column g8*8 + j holds logical column j*8 + g8,
+//   so one 16-byte load gives a lane the 8 scales of its 8 columns.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace lqe {
+
+__device__ __forceinline__ uint4 ld_stream_v4(const uint4* p) {
+  // Weights are read exactly once: bypass L1 and do not keep them in it.
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t ld_u32(const void* p) { return __ldg(reinterpret_cast<const uint32_t*>(p)); }
+
+template <int LUT>
+__device__ __forceinline__ uint32_t lop3(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm volatile("lop3.b32 %0, %1, %2, %3, %4;" : "=r"(d) : "r"(a), "r"(b), "r"(c), "n"(LUT));
+  return d;
+}
+
+template <typename T> struct MmaF16;
+template <> struct MmaF16<half> {
+  static __device__ __forceinline__ void run(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+template <> struct MmaF16<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+__device__ __forceinline__ void mma_s8(int* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <typename T> __device__ __forceinline__ float to_f(T v);
+template <> __device__ __forceinline__ float to_f<half>(half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ half from_f<half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+__device__ __forceinline__ uint32_t pack_f2(half, float lo, float hi) {
+  half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+__device__ __forceinline__ uint32_t pack_f2(__nv_bfloat16, float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// Dequantizer: Dq<T, BITS>::prep(scale, zero) once per group and column; tile(words, j, p, b0, b1) gives the
+// two B registers of n8 tile j, each element (code - zero) * scale rounded once to T.
+template <typename T, int BITS> struct Dq;
+
+template <> struct Dq<half, 4> {
+  struct P { half2 s, zlo, zhi; };
+  static __device__ __forceinline__ P prep(half s, half z) {
+    P p;
+    p.s = __half2half2(s);
+    p.zlo = __half2half2(__hadd(__float2half_rn(1024.f), z));  // magic 0x6400 = 1024: h = 1024 + code
+    p.zhi = __half2half2(__hadd(__float2half_rn(64.f), z));    // high nibble: h = 1024 + 16*code
+    return p;
+  }
+  static __device__ __forceinline__ void tile(const uint32_t* w, int j, const P& p, uint32_t& b0, uint32_t& b1) {
+    const uint32_t q = w[j >> 1] >> ((j & 1) * 8);
+    const uint32_t lo = lop3<0xEA>(q, 0x000f000fu, 0x64006400u);  // (q & mask) | magic
+    const uint32_t hi = lop3<0xEA>(q, 0x00f000f0u, 0x64006400u);
+    half2 l = __hmul2(__hsub2(*reinterpret_cast<const half2*>(&lo), p.zlo), p.s);
+    half2 h = __hmul2(__hfma2(*reinterpret_cast<const half2*>(&hi), __float2half2_rn(0.0625f), __hneg2(p.zhi)), p.s);
+    b0 = *reinterpret_cast<uint32_t*>(&l);
+    b1 = *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+
+template <> struct Dq<__nv_bfloat16, 4> {
+  // bf16 has 7 mantissa bits: magic 0x4300 = 128 takes one nibble at bits 0..3 only, so shift by 4.
+  struct P { __nv_bfloat162 s, z; };
+  static __device__ __forceinline__ P prep(__nv_bfloat16 s, __nv_bfloat16 z) {
+    P p;
+    p.s = __bfloat162bfloat162(s);
+    p.z = __bfloat162bfloat162(__hadd(__float2bfloat16_rn(128.f), z));
+    return p;
+  }
+  static __device__ __forceinline__ void tile(const uint32_t* w, int j, const P& p, uint32_t& b0, uint32_t& b1) {
+    const uint32_t q = w[j >> 1] >> ((j & 1) * 8);
+    const uint32_t lo = lop3<0xEA>(q, 0x000f000fu, 0x43004300u);
+    const uint32_t hi = lop3<0xEA>(q >> 4, 0x000f000fu, 0x43004300u);
+    __nv_bfloat162 l = __hmul2(__hsub2(*reinterpret_cast<const __nv_bfloat162*>(&lo), p.z), p.s);
+    __nv_bfloat162 h = __hmul2(__hsub2(*reinterpret_cast<const __nv_bfloat162*>(&hi), p.z), p.s);
+    b0 = *reinterpret_cast<uint32_t*>(&l);
+    b1 = *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+
+template <> struct Dq<half, 8> {
+  struct P { half2 s, z; };
+  static __device__ __forceinline__ P prep(half s, half z) {
+    P p;
+    p.s = __half2half2(s);
+    p.z = __half2half2(__hadd(__float2half_rn(1024.f), z));
+    return p;
+  }
+  static __device__ __forceinline__ void tile(const uint32_t* w, int j, const P& p, uint32_t& b0, uint32_t& b1) {
+    const uint32_t lo = __byte_perm(w[j], 0x64646464u, 0x4240);  // bytes 0,2 -> (k0, k1)
+    const uint32_t hi = __byte_perm(w[j], 0x64646464u, 0x4341);  // bytes 1,3 -> (k8, k9)
+    half2 l = __hmul2(__hsub2(*reinterpret_cast<const half2*>(&lo), p.z), p.s);
+    half2 h = __hmul2(__hsub2(*reinterpret_cast<const half2*>(&hi), p.z), p.s);
+    b0 = *reinterpret_cast<uint32_t*>(&l);
+    b1 = *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+
+template <> struct Dq<__nv_bfloat16, 8> {
+  // 8-bit codes do not fit a bf16 magic number exactly: go through fp32 (magic 2^23), round once.
+  struct P { float s, z; };
+  static __device__ __forceinline__ P prep(__nv_bfloat16 s, __nv_bfloat16 z) {
+    return P{__bfloat162float(s), 8388608.f + __bfloat162float(z)};
+  }
+  static __device__ __forceinline__ float f(uint32_t w, uint32_t sel, const P& p) {
+    return __fmul_rn(__fsub_rn(__uint_as_float(__byte_perm(w, 0x4B000000u, sel)), p.z), p.s);
+  }
+  static __device__ __forceinline__ void tile(const uint32_t* w, int j, const P& p, uint32_t& b0, uint32_t& b1) {
+    const uint32_t q = w[j];
+    b0 = pack_f2(__nv_bfloat16(), f(q, 0x7540, p), f(q, 0x7542, p));
+    b1 = pack_f2(__nv_bfloat16(), f(q, 0x7541, p), f(q, 0x7543, p));
+  }
+};
+
+// Split-K fix-up (threadFenceReduction pattern): every split stores its fp32/int32 partial tile into
+// ws[split][M][N]; the last block to arrive on a tile (counted in counters[tile], reset to 0 by it) sums
+// the splits and applies the epilogue. Deterministic: the sum runs in split order.
+__device__ __forceinline__ bool splitk_arrive(int* counters) {
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+    const int prev = atomicAdd(&counters[tile], 1);
+    last = prev == (int)gridDim.z - 1;
+    if (last) counters[tile] = 0;
+  }
+  __syncthreads();
+  if (last) __threadfence();
+  return last;
+}
+
+}  // namespace lqe

@@ -1,0 +1,240 @@
+// W4A16 / W8A16 dequant-GEMM for the memory-bound regime (M <= 64 per block row, any M via grid.y).
+// Each warp streams one 64-column strip of the repacked weight once (one 16-byte load per lane per 16 rows
+// of K for 4-bit, two for 8-bit), dequantizes in registers and feeds mma.sync m16n8k16 with fp32
+// accumulation. Activations are read as mma A fragments straight from global/L1 (4 warps share them).
+// Split-K over grid.z fills the SMs when there are few column tiles; see gemm_common.cuh for the layout.
+#include "gemm_common.cuh"
+#include "gemm_launch.h"
+
+namespace lqe {
+namespace {
+
+constexpr int kUnroll = 4;  // K slabs of 16 in flight per warp (K % 64 == 0)
+
+template <typename T, int BITS, int MT, bool HAS_ZP>
+__global__ void __launch_bounds__(kWna16Threads) wna16_gemm_kernel(
+    const T* __restrict__ A, const uint4* __restrict__ B, const T* __restrict__ S, const T* __restrict__ Z,
+    const T* __restrict__ bias, T* __restrict__ C, float* __restrict__ ws, int* __restrict__ counters, int M,
+    int N, int K, int group_size, int slabs_per_split) {
+  using D = Dq<T, BITS>;
+  constexpr int V4 = BITS / 4;  // uint4 loads per lane per slab
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g8 = lane >> 2, t4 = lane & 3;
+  const int ntiles = N / 64;
+  const int nt = blockIdx.x * (kWna16BlockN / 64) + warp;
+  const int m0 = blockIdx.y * MT * 16;
+  const int ks0 = blockIdx.z * slabs_per_split;
+  const int ks1 = min(K / 16, ks0 + slabs_per_split);
+
+  float acc[MT][8][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
+
+  if (nt < ntiles) {
+    const uint4* bp = B + ((size_t)ks0 * ntiles + nt) * 32 * V4 + lane * V4;
+    const size_t bstride = (size_t)ntiles * 32 * V4;
+    const int col_base = nt * 64 + g8 * 8;  // this lane's 8 stored scale columns
+    typename D::P prm[8];
+    int cur_g = -1;
+    for (int ks = ks0; ks < ks1; ks += kUnroll) {
+      uint32_t w[kUnroll][4 * V4];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+        for (int v = 0; v < V4; ++v) {
+          const uint4 r = ld_stream_v4(bp + (size_t)(ks - ks0 + u) * bstride + v);
+          w[u][4 * v + 0] = r.x; w[u][4 * v + 1] = r.y; w[u][4 * v + 2] = r.z; w[u][4 * v + 3] = r.w;
+        }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int k0 = (ks + u) * 16;
+        const int g = k0 / group_size;  // group sizes are multiples of 16: a slab never straddles groups
+        if (g != cur_g) {
+          cur_g = g;
+          const uint4 sv = __ldg(reinterpret_cast<const uint4*>(S + (size_t)g * N + col_base));
+          const T* s8 = reinterpret_cast<const T*>(&sv);
+          if (HAS_ZP) {
+            const uint4 zv = __ldg(reinterpret_cast<const uint4*>(Z + (size_t)g * N + col_base));
+            const T* z8 = reinterpret_cast<const T*>(&zv);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) prm[j] = D::prep(s8[j], z8[j]);
+          } else {
+            const T zc = from_f<T>((float)(1 << (BITS - 1)));
+#pragma unroll
+            for (int j = 0; j < 8; ++j) prm[j] = D::prep(s8[j], zc);
+          }
+        }
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+          const int r0 = m0 + i * 16 + g8, r1 = r0 + 8;
+          const T* p0 = A + (size_t)r0 * K + k0 + 2 * t4;
+          const T* p1 = A + (size_t)r1 * K + k0 + 2 * t4;
+          a[i][0] = r0 < M ? ld_u32(p0) : 0u;
+          a[i][1] = r1 < M ? ld_u32(p1) : 0u;
+          a[i][2] = r0 < M ? ld_u32(p0 + 8) : 0u;
+          a[i][3] = r1 < M ? ld_u32(p1 + 8) : 0u;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          uint32_t b0, b1;
+          D::tile(w[u], j, prm[j], b0, b1);
+#pragma unroll
+          for (int i = 0; i < MT; ++i) MmaF16<T>::run(acc[i][j], a[i], b0, b1);
+        }
+      }
+    }
+  }
+
+  // Epilogue. Accumulator element c of (i, j): row m0 + i*16 + g8 + 8*(c/2), column nt*64 + j*8 + 2*t4 + c%2.
+  if (gridDim.z == 1) {
+    if (nt >= ntiles) return;
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = m0 + i * 16 + g8 + 8 * h, col = nt * 64 + j * 8 + 2 * t4;
+          if (row >= M) continue;
+          float v0 = acc[i][j][2 * h], v1 = acc[i][j][2 * h + 1];
+          if (bias) { v0 += to_f(bias[col]); v1 += to_f(bias[col + 1]); }
+          *reinterpret_cast<uint32_t*>(C + (size_t)row * N + col) = pack_f2(T(), v0, v1);
+        }
+    return;
+  }
+  if (nt < ntiles) {
+    float* part = ws + (size_t)blockIdx.z * M * N;
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = m0 + i * 16 + g8 + 8 * h, col = nt * 64 + j * 8 + 2 * t4;
+          if (row < M) *reinterpret_cast<float2*>(part + (size_t)row * N + col) = make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
+        }
+  }
+  if (!splitk_arrive(counters)) return;
+  const int n0 = blockIdx.x * kWna16BlockN;
+  const int rows = min(MT * 16, M - m0), cols = min(kWna16BlockN, N - n0);
+  for (int e = threadIdx.x; e < rows * cols; e += blockDim.x) {
+    const int row = m0 + e / cols, col = n0 + e % cols;
+    float s = 0.f;
+    for (int z = 0; z < (int)gridDim.z; ++z) s += __ldcg(ws + ((size_t)z * M + row) * N + col);
+    if (bias) s += to_f(bias[col]);
+    C[(size_t)row * N + col] = from_f<T>(s);
+  }
+}
+
+// One warp per (16-row slab, 64-column tile): the same fragment decode as the GEMM, written out densely.
+template <typename T, int BITS, bool HAS_ZP>
+__global__ void wna16_dequant_kernel(const uint4* __restrict__ B, const T* __restrict__ S,
+                                     const T* __restrict__ Z, T* __restrict__ W, int N, int K, int group_size) {
+  using D = Dq<T, BITS>;
+  constexpr int V4 = BITS / 4;
+  const int lane = threadIdx.x & 31;
+  const int g8 = lane >> 2, t4 = lane & 3;
+  const int ntiles = N / 64;
+  const int tile = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
+  if (tile >= (K / 16) * ntiles) return;
+  const int ks = tile / ntiles, nt = tile % ntiles;
+  uint32_t w[4 * V4];
+  for (int v = 0; v < V4; ++v) {
+    const uint4 r = ld_stream_v4(B + ((size_t)tile * 32 + lane) * V4 + v);
+    w[4 * v + 0] = r.x; w[4 * v + 1] = r.y; w[4 * v + 2] = r.z; w[4 * v + 3] = r.w;
+  }
+  const int g = ks * 16 / group_size;
+  const size_t sidx = (size_t)g * N + nt * 64 + g8 * 8;
+  const T zc = from_f<T>((float)(1 << (BITS - 1)));
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const typename D::P p = D::prep(S[sidx + j], HAS_ZP ? Z[sidx + j] : zc);
+    uint32_t b[2];
+    D::tile(w, j, p, b[0], b[1]);
+    const T* e = reinterpret_cast<const T*>(b);  // (k0, k1), (k8, k9)
+    const int col = nt * 64 + j * 8 + g8, k = ks * 16 + 2 * t4;
+    W[(size_t)(k + 0) * N + col] = e[0];
+    W[(size_t)(k + 1) * N + col] = e[1];
+    W[(size_t)(k + 8) * N + col] = e[2];
+    W[(size_t)(k + 9) * N + col] = e[3];
+  }
+}
+
+template <typename T, int BITS, int MT, bool ZP>
+void run_gemm(const void* x, const void* qw, const void* s, const void* z, const void* bias, void* out, float* ws,
+              int* counters, int M, int N, int K, int gs, int spp, cudaStream_t st) {
+  const int splits = (K / 16 + spp - 1) / spp;
+  dim3 grid((N + kWna16BlockN - 1) / kWna16BlockN, (M + MT * 16 - 1) / (MT * 16), splits);
+  wna16_gemm_kernel<T, BITS, MT, ZP><<<grid, kWna16Threads, 0, st>>>(
+      (const T*)x, (const uint4*)qw, (const T*)s, (const T*)z, (const T*)bias, (T*)out, ws, counters, M, N, K,
+      gs, spp);
+}
+
+template <typename T, int BITS, bool ZP>
+void run_gemm_mt(const void* x, const void* qw, const void* s, const void* z, const void* bias, void* out,
+                 float* ws, int* counters, int M, int N, int K, int gs, int spp, cudaStream_t st) {
+  if (M <= 16) run_gemm<T, BITS, 1, ZP>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, st);
+  else if (M <= 32) run_gemm<T, BITS, 2, ZP>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, st);
+  else run_gemm<T, BITS, 4, ZP>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, st);
+}
+
+template <typename T, int BITS>
+void run_typed(const void* x, const void* qw, const void* s, const void* z, const void* bias, void* out, float* ws,
+               int* counters, int M, int N, int K, int gs, int spp, cudaStream_t st) {
+  if (z) run_gemm_mt<T, BITS, true>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, st);
+  else run_gemm_mt<T, BITS, false>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, st);
+}
+
+template <typename T, int BITS>
+void run_dequant(const void* qw, const void* s, const void* z, void* out, int N, int K, int gs, cudaStream_t st) {
+  const int tiles = (K / 16) * (N / 64), warps = 8;
+  const dim3 grid((tiles + warps - 1) / warps);
+  if (z) wna16_dequant_kernel<T, BITS, true><<<grid, warps * 32, 0, st>>>((const uint4*)qw, (const T*)s, (const T*)z, (T*)out, N, K, gs);
+  else wna16_dequant_kernel<T, BITS, false><<<grid, warps * 32, 0, st>>>((const uint4*)qw, (const T*)s, nullptr, (T*)out, N, K, gs);
+}
+
+const char* check_shape(int bits, int N, int K, int gs) {
+  if (bits != 4 && bits != 8) return "bits must be 4 or 8";
+  if (N % 64 != 0) return "N must be a multiple of 64";
+  if (K % 64 != 0) return "K must be a multiple of 64";
+  if (gs <= 0 || gs % 16 != 0) return "group_size must be a positive multiple of 16 (K for per-channel)";
+  return nullptr;
+}
+
+}  // namespace
+
+const char* launch_wna16_gemm(DType dt, int bits, const void* x, const void* qweight, const void* scales,
+                              const void* zeros, const void* bias, void* out, float* ws, int* counters, int M,
+                              int N, int K, int group_size, int spp, cudaStream_t st) {
+  if (const char* e = check_shape(bits, N, K, group_size)) return e;
+  if (spp <= 0 || spp % kUnroll != 0) return "slabs_per_split must be a positive multiple of 4";
+  if (M <= 0) return nullptr;
+  if (dt == DType::kHalf) {
+    if (bits == 4) run_typed<half, 4>(x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, group_size, spp, st);
+    else run_typed<half, 8>(x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, group_size, spp, st);
+  } else {
+    if (bits == 4) run_typed<__nv_bfloat16, 4>(x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, group_size, spp, st);
+    else run_typed<__nv_bfloat16, 8>(x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, group_size, spp, st);
+  }
+  return nullptr;
+}
+
+const char* launch_wna16_dequant(DType dt, int bits, const void* qweight, const void* scales, const void* zeros,
+                                 void* out, int N, int K, int group_size, cudaStream_t st) {
+  if (const char* e = check_shape(bits, N, K, group_size)) return e;
+  if (dt == DType::kHalf) {
+    if (bits == 4) run_dequant<half, 4>(qweight, scales, zeros, out, N, K, group_size, st);
+    else run_dequant<half, 8>(qweight, scales, zeros, out, N, K, group_size, st);
+  } else {
+    if (bits == 4) run_dequant<__nv_bfloat16, 4>(qweight, scales, zeros, out, N, K, group_size, st);
+    else run_dequant<__nv_bfloat16, 8>(qweight, scales, zeros, out, N, K, group_size, st);
+  }
+  return nullptr;
+}
+
+}  // namespace lqe

@@ -1,0 +1,173 @@
+"""Python entry points of the lqe W4A16/W8A16 CUDA GEMM (csrc/gemm/wna16_gemm.cu) and kernel selection.
+
+Everything here imports on a machine without CUDA; :func:`available` says whether the extension could be
+built and loaded, :func:`unavailable_reason` says why not.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lqe.kernels import build
+from lqe.kernels.repack import PackedWNA16, repack_wna16, wna16_unsupported
+from lqe.quant_layers.canonical import CanonicalWeight
+
+log = logging.getLogger(__name__)
+
+# Above this many tokens the dequantize + cuBLAS path is used. NEEDS MEASUREMENT on the target GPU
+# (benchmarks/kernels.py prints both paths; exllama switches near 50, Marlin stays fused to ~1000).
+LARGE_M_THRESHOLD = 128
+# Split-K aims for this many resident blocks per SM so few-tile decode shapes still fill the GPU.
+# NEEDS MEASUREMENT (memory-level parallelism vs. fix-up traffic).
+TARGET_BLOCKS_PER_SM = 4
+BLOCK_N = 256  # kWna16BlockN / kW8a8BlockN in csrc/gemm/gemm_launch.h
+
+_state: dict[str, object] = {}
+
+
+def _ext():
+    if "ext" not in _state and "error" not in _state:
+        try:
+            _state["ext"] = build.load()
+            log.info("lqe kernels: CUDA GEMM extension loaded")
+        except build.BuildError as e:
+            _state["error"] = str(e)
+            log.info("lqe kernels unavailable, using torch paths: %s", e)
+    if "ext" not in _state:
+        raise RuntimeError(f"lqe CUDA kernels unavailable: {_state['error']}")
+    return _state["ext"]
+
+
+def available() -> bool:
+    """True when the CUDA extension is built and loaded (builds it on first call on a GPU machine)."""
+    try:
+        _ext()
+        return True
+    except RuntimeError:
+        return False
+
+
+def unavailable_reason() -> str | None:
+    return None if available() else str(_state.get("error"))
+
+
+def ext():
+    """The loaded extension module (raises ``RuntimeError`` with the reason when unavailable)."""
+    return _ext()
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _block_m(m: int) -> int:
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+def plan_slabs_per_split(m: int, n: int, k: int, device: torch.device, kslab: int, unroll: int,
+                         splits: int | None = None) -> int:
+    """K slabs (of ``kslab`` rows) per split, a multiple of ``unroll``; ``splits=None`` picks by SM count."""
+    units = k // (kslab * unroll)
+    if splits is None:
+        tiles = math.ceil(n / BLOCK_N) * math.ceil(m / _block_m(m))
+        target = sm_count(device.index if device.index is not None else torch.cuda.current_device()) * TARGET_BLOCKS_PER_SM
+        splits = max(1, min(units, target // max(1, tiles)))
+    splits = max(1, min(units, int(splits)))
+    return math.ceil(units / splits) * unroll
+
+
+def counters(device: torch.device, needed: int) -> torch.Tensor:
+    """Persistent zeroed split-K arrival counters (the kernels reset what they use). One stream at a time."""
+    key = f"counters:{device}"
+    buf = _state.get(key)
+    if buf is None or buf.numel() < needed:
+        buf = torch.zeros(max(needed, 4096), dtype=torch.int32, device=device)
+        _state[key] = buf
+    return buf
+
+
+def wna16_gemm(x: torch.Tensor, packed: PackedWNA16, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None, splits: int | None = None, path: str = "auto") -> torch.Tensor:
+    """``x @ W (+ bias)`` for ``x [..., K]`` fp16/bf16 and a repacked 4/8-bit weight; ``path`` in
+    ``auto | fused | dequant`` (``auto``: fused up to :data:`LARGE_M_THRESHOLD` tokens)."""
+    e = _ext()
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, packed.k)
+    if x2.dtype != packed.scales.dtype:
+        raise ValueError(f"activation dtype {x2.dtype} does not match the repacked weight's {packed.scales.dtype}")
+    if packed.perm is not None:
+        x2 = x2.index_select(1, packed.perm)  # act-order: gather x columns like the rows were permuted
+    x2 = x2.contiguous()
+    m = x2.shape[0]
+    if out is None:
+        out = torch.empty(m, packed.n, dtype=x2.dtype, device=x2.device)
+    if path == "dequant" or (path == "auto" and m > LARGE_M_THRESHOLD):
+        w = torch.empty(packed.k, packed.n, dtype=x2.dtype, device=x2.device)
+        e.wna16_dequant(packed.qweight, packed.scales, packed.zeros, w, packed.bits, packed.group_size)
+        torch.matmul(x2, w, out=out)
+        if bias is not None:
+            out.add_(bias)
+        return out.view(*lead, packed.n)
+    spp = plan_slabs_per_split(m, packed.n, packed.k, x2.device, 16, 4, splits)
+    cnt = counters(x2.device, math.ceil(packed.n / BLOCK_N) * math.ceil(m / 16))
+    e.wna16_gemm(x2, packed.qweight, packed.scales, packed.zeros, bias, out, packed.bits, packed.group_size, spp, cnt)
+    return out.view(*lead, packed.n)
+
+
+def wna16_dequantize(packed: PackedWNA16) -> torch.Tensor:
+    """Dense ``[K, N]`` weights (sorted-K order) from the CUDA dequantize kernel."""
+    w = torch.empty(packed.k, packed.n, dtype=packed.scales.dtype, device=packed.qweight.device)
+    return _ext().wna16_dequant(packed.qweight, packed.scales, packed.zeros, w, packed.bits, packed.group_size)
+
+
+w4a16_gemm = wna16_gemm  # the name the quant layers use; handles 8-bit weights too
+
+
+@dataclass(slots=True)
+class WNA16Kernel:
+    """What :func:`select_w4a16_kernel` returns: call it as ``kernel(x, bias)``."""
+
+    packed: PackedWNA16
+    description: str
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return wna16_gemm(x, self.packed, bias)
+
+
+def select_w4a16_kernel(canonical: CanonicalWeight, device: torch.device | str,
+                        dtype: torch.dtype) -> tuple[WNA16Kernel | None, str]:
+    """Repack ``canonical`` for the lqe CUDA kernel when it can run it: ``(kernel, description)``, else
+    ``(None, reason)`` listing every reason (the caller falls back to dequantize + matmul)."""
+    device = torch.device(device)
+    reasons = []
+    if device.type != "cuda":
+        reasons.append(f"device is {device.type}, lqe-wna16 needs cuda")
+    if dtype not in (torch.float16, torch.bfloat16):
+        reasons.append(f"activation dtype {dtype} (lqe-wna16 needs float16 or bfloat16)")
+    shape_reason = wna16_unsupported(canonical)
+    if shape_reason:
+        reasons.append(shape_reason)
+    if device.type == "cuda" and torch.cuda.is_available():
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 0):
+            reasons.append(f"compute capability {cap[0]}.{cap[1]} < 8.0 (mma.sync bf16 needs Ampere+)")
+    if not reasons and not available():
+        reasons.append(str(_state.get("error")))
+    if reasons:
+        return None, "lqe-wna16 unavailable: " + "; ".join(reasons)
+    packed = repack_wna16(_to_device(canonical, device), dtype)
+    k, n = canonical.shape
+    desc = (f"lqe-wna16 (bits={canonical.bits}, group_size={canonical.group_size}, "
+            f"{'asym' if canonical.zeros is not None else 'sym'}{', act-order' if packed.perm is not None else ''}, "
+            f"K={k}, N={n}; fused for M<={LARGE_M_THRESHOLD}, dequantize+cuBLAS above)")
+    return WNA16Kernel(packed, desc), desc
+
+
+def _to_device(cw: CanonicalWeight, device: torch.device) -> CanonicalWeight:
+    mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return CanonicalWeight(mv(cw.codes), mv(cw.scales), mv(cw.zeros), mv(cw.g_idx), cw.bits, cw.group_size)

@@ -1,0 +1,117 @@
+"""GPU: lqe W4A16/W8A16 CUDA GEMM and dequantize kernels against the canonical torch reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+from lqe.kernels import gemm, gemm_ref, repack  # noqa: E402
+from lqe.quant_layers.canonical import CanonicalWeight  # noqa: E402
+
+MS = [1, 7, 16, 33, 64, 257, 1024]
+SHAPES = [(256, 192), (1024, 256), (4096, 4096)]
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if not gemm.available():
+        pytest.fail(f"lqe CUDA kernels did not build: {gemm.unavailable_reason()}")
+
+
+def canonical(k, n, bits, gs, asym, act_order, seed):
+    g = torch.Generator().manual_seed(seed)
+    gsz = k if gs == -1 else gs
+    ng = -(-k // gsz)
+    codes = torch.randint(0, 2**bits, (k, n), dtype=torch.uint8, generator=g)
+    scales = torch.rand(ng, n, generator=g) * (0.04 if bits == 4 else 0.003) + 0.002
+    zeros = torch.randint(0, 2**bits, (ng, n), dtype=torch.uint8, generator=g) if asym else None
+    g_idx = (torch.randperm(k, generator=g) // gsz).to(torch.int32) if act_order else None
+    return CanonicalWeight(codes, scales, zeros, g_idx, bits, gs)
+
+
+def reference(x, cw, bias):
+    w = cw.dequantize(torch.float32).to(x.device).to(x.dtype).float()  # kernel rounds weights to x's dtype
+    y = x.float() @ w
+    return y if bias is None else y + bias.float()
+
+
+def check(y, ref, k):
+    tol = (2e-2 if y.dtype == torch.bfloat16 else 4e-3) * ref.abs().max().item() + 1e-3
+    torch.testing.assert_close(y.float(), ref, rtol=0, atol=tol)
+    assert not torch.isnan(y).any()
+
+
+def run_case(m, k, n, bits, gs, asym, act_order, dtype, path, splits=None, with_bias=True):
+    cw = canonical(k, n, bits, gs, asym, act_order, seed=m * 131 + k + n + bits + gs)
+    kernel, reason = gemm.select_w4a16_kernel(cw, "cuda", dtype)
+    assert kernel is not None, reason
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    bias = torch.randn(n, device="cuda", dtype=dtype) if with_bias else None
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)  # poisoned
+    y = gemm.wna16_gemm(x, kernel.packed, bias, out=out, splits=splits, path=path)
+    torch.cuda.synchronize()
+    assert y.data_ptr() == out.data_ptr()
+    check(y, reference(x, cw, bias), k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("gs", [32, 64, 128, -1])
+@pytest.mark.parametrize("asym,act_order", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("m", [1, 7, 33])
+def test_fused_all_formats(dtype, bits, gs, asym, act_order, m):
+    run_case(m, 1024, 256, bits, gs, asym, act_order, dtype, "fused")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("path", ["fused", "dequant", "auto"])
+def test_all_m_and_paths(dtype, m, k, n, path):
+    run_case(m, k, n, 4, 128, False, False, dtype, path)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 7, 64])
+@pytest.mark.parametrize("m", [1, 16, 64, 257])
+def test_split_k_counts(splits, m):
+    run_case(m, 1024, 320, 4, 64, True, True, torch.float16, "fused", splits=splits)
+
+
+def test_split_k_is_deterministic_and_reusable():
+    cw = canonical(4096, 256, 4, 128, True, False, seed=9)
+    kernel, _ = gemm.select_w4a16_kernel(cw, "cuda", torch.float16)
+    x = torch.randn(3, 4096, device="cuda", dtype=torch.float16)
+    ys = [gemm.wna16_gemm(x, kernel.packed, splits=16, path="fused").clone() for _ in range(5)]
+    assert all(torch.equal(ys[0], y) for y in ys[1:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("asym", [False, True])
+def test_dequant_kernel_matches_emulation_exactly(dtype, bits, asym):
+    cw = canonical(512, 384, bits, 64, asym, True, seed=bits)
+    cw.scales = cw.scales.to(dtype).float()
+    p = repack.repack_wna16(cw, dtype)
+    pg = repack.PackedWNA16(p.qweight.cuda(), p.scales.cuda(), None if p.zeros is None else p.zeros.cuda(),
+                            p.perm, p.bits, p.group_size, p.k, p.n)
+    w = gemm.wna16_dequantize(pg).cpu()
+    assert torch.equal(w, gemm_ref.dequantize_wna16(p))
+    assert torch.equal(w, cw.dequantize(torch.float32)[p.perm].to(dtype))
+
+
+def test_batched_leading_dims_and_callable():
+    cw = canonical(512, 128, 4, 128, False, False, seed=1)
+    kernel, reason = gemm.select_w4a16_kernel(cw, torch.device("cuda"), torch.bfloat16)
+    assert "lqe-wna16" in reason
+    x = torch.randn(2, 3, 512, device="cuda", dtype=torch.bfloat16)
+    y = kernel(x)
+    assert y.shape == (2, 3, 128)
+    check(y.reshape(6, 128), reference(x.reshape(6, 512), cw, None), 512)
+
+
+def test_select_reports_fallback_reasons():
+    cw = canonical(96, 96, 4, 32, False, False, seed=0)
+    fn, reason = gemm.select_w4a16_kernel(cw, "cuda", torch.float32)
+    assert fn is None and "multiples of 64" in reason and "float32" in reason
