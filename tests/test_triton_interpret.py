@@ -78,3 +78,31 @@ def test_backends_module_imports_without_gpu():
     assert ("triton" in attention._BACKENDS) == (m._ta is not None and (torch.cuda.is_available() or forced))
     if not torch.cuda.is_available():
         assert "flash_attn" not in attention._BACKENDS
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="ahead-of-time compilation needs the real JIT")
+def test_attention_kernels_compile_for_hopper_without_a_gpu():
+    """Compile the attention kernels to sm_90 cubins (Triton ships ptxas): catches what only the GPU compiler
+    rejects (dot shapes, early returns, precision arguments) on machines without a GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from lqe.kernels import triton_attention as ta
+
+    def compile_kernel(fn, types, consts):
+        sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+        return triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "num_stages": 2})
+
+    types = {"Q": "*bf16", "KV": "*bf16", "Out": "*bf16", "BlockTables": "*i32", "QueryStart": "*i32",
+             "SeqLens": "*i32", "scale_log2": "fp32", "PartOut": "*fp32", "PartLse": "*fp32"}
+    common = dict(GROUP=4, HEAD_DIM=128, PAGE=16, BLOCK_D=128, DOT_F32=False, PRECISION=None)
+    kernels = [
+        compile_kernel(ta._prefill_kernel, types, dict(common, BLOCK_M=64, BLOCK_N=64, SKIP_DECODE=True)),
+        compile_kernel(ta._decode_kernel, types, dict(common, NUM_SPLITS=4, BLOCK_H=16, BLOCK_N=64)),
+    ]
+    for k in kernels:
+        ptx = k.asm["ptx"]
+        assert "mma" in ptx, "the attention kernels should use tensor cores"
+        assert ".local" not in ptx, "register spills to local memory"

@@ -73,8 +73,9 @@ def _prefill_kernel(Q, KV, Out, BlockTables, QueryStart, SeqLens, scale_log2,
     q_len = tl.load(QueryStart + b + 1) - q_start
     if pid_m * BLOCK_M >= q_len:
         return
-    if SKIP_DECODE and q_len == 1:
-        return
+    if SKIP_DECODE:  # constexpr: resolved at compile time, so the early return below is a plain scalar branch
+        if q_len == 1:
+            return
     seq_len = tl.load(SeqLens + b)
     ctx_len = seq_len - q_len
     kvh = h // GROUP
