@@ -1,0 +1,184 @@
+"""`lqe serve MODEL`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one ``AsyncEngine``.
+
+Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (``stream=true`` gives server-sent
+events ending in ``data: [DONE]``), GET /health, GET /metrics (Prometheus text). Errors are OpenAI-style
+``{"error": {"message", "type", "param", "code"}}``; a bad request never reaches the engine, an engine failure
+answers 500 to the requests it hit and the server keeps serving.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import secrets
+import sys
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from lqe.entrypoints.async_engine import AsyncEngine
+from lqe.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from lqe.entrypoints.serving import APIError, OpenAIServing, error_response
+
+logger = logging.getLogger("lqe")
+
+
+def create_app(engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+    """One app per engine; each app has its own Prometheus registry, so tests can build several."""
+    name = served_model_name or engine.engine.config.model
+    registry = CollectorRegistry()
+    registry.register(_EngineCollector(engine))
+    serving = OpenAIServing(engine, name, _Histograms(registry))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+
+    app = FastAPI(title="lqe OpenAI-compatible server", lifespan=lifespan)
+    app.state.engine, app.state.registry, app.state.serving = engine, registry, serving
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1"):
+            header = request.headers.get("authorization", "")
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), api_key):
+                return error_response(APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                                               type="authentication_error", code="invalid_api_key"))
+        return await call_next(request)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return error_response(APIError(exc.status_code, str(exc.detail), code=str(exc.status_code)))
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception):
+        logger.exception("lqe: unhandled error on %s", request.url.path)
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            return error_response(APIError(503, "the engine loop is not running", type="server_error"))
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=name, root=engine.engine.config.model, max_model_len=engine.engine.max_model_len)])
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await serving.handle(request, CompletionRequest)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await serving.handle(request, ChatCompletionRequest)
+
+    return app
+
+
+class _Histograms:
+    """Per-request latency metrics, observed by the serving code when a request finishes."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+        self.ttft = Histogram("lqe_time_to_first_token_seconds", "Time from arrival to the first generated token",
+                              registry=registry, buckets=buckets)
+        self.e2e = Histogram("lqe_e2e_request_latency_seconds", "Time from arrival to the last generated token",
+                             registry=registry, buckets=buckets)
+
+
+class _EngineCollector:
+    """Reads the engine's statistics (as of its last step) at every scrape."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        s = self.engine.stats()
+        yield GaugeMetricFamily("lqe_num_requests_running", "Sequences being generated", value=s.num_running)
+        yield GaugeMetricFamily("lqe_num_requests_waiting", "Sequences waiting to be scheduled", value=s.num_waiting)
+        yield GaugeMetricFamily("lqe_num_requests_in_flight", "HTTP-level requests in the engine",
+                                value=self.engine.num_requests)
+        yield GaugeMetricFamily("lqe_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)",
+                                value=s.kv_cache_usage)
+        yield GaugeMetricFamily("lqe_num_free_kv_blocks", "Free KV-cache blocks", value=s.num_free_blocks)
+        yield GaugeMetricFamily("lqe_num_kv_blocks", "Total KV-cache blocks", value=s.num_total_blocks)
+        yield GaugeMetricFamily("lqe_prefix_cache_hit_rate", "Prefix-cache hit rate", value=s.prefix_cache_hit_rate)
+        yield CounterMetricFamily("lqe_num_preemptions", "Sequences preempted", value=s.num_preemptions)
+        yield CounterMetricFamily("lqe_prompt_tokens", "Prompt tokens computed", value=s.prompt_tokens_total)
+        yield CounterMetricFamily("lqe_generation_tokens", "Tokens generated", value=s.generation_tokens_total)
+        yield CounterMetricFamily("lqe_engine_step_errors", "Engine steps that raised", value=self.engine.num_step_errors)
+
+
+# -- command line ---------------------------------------------------------------------------------------------
+def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("model", help="local model directory, 'smollm2-135m-instruct', or a hub id")
+    parser.add_argument("--quantization", "-q", default=None, help="quantization method (default: from the checkpoint)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $LQE_API_KEY)")
+    parser.add_argument("--served-model-name", default=None, help="model name clients must send (default: MODEL)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--enforce-eager", action="store_true", default=None)
+    parser.add_argument("--trust-remote-code", action="store_true", default=None)
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return parser
+
+
+_ENGINE_ARGS = ("quantization", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization", "tokenizer", "seed",
+                "enforce_eager", "trust_remote_code")
+
+
+def build_engine(args: argparse.Namespace) -> AsyncEngine:
+    from lqe.config import EngineConfig
+    from lqe.engine.llm_engine import LLMEngine
+
+    kwargs = {k: getattr(args, k) for k in _ENGINE_ARGS if getattr(args, k, None) is not None}
+    return AsyncEngine(LLMEngine(EngineConfig.from_kwargs(args.model, **kwargs)))
+
+
+def run_server(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = build_engine(args)
+    api_key = args.api_key or os.environ.get("LQE_API_KEY") or None
+    app = create_app(engine, args.served_model_name, api_key)
+    logger.info("lqe: serving %s on http://%s:%d/v1%s", args.served_model_name or args.model, args.host, args.port,
+                " (API key required)" if api_key else "")
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="lqe serve", description="OpenAI-compatible server for an lqe model")
+    run_server(add_serve_args(parser).parse_args(argv))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
