@@ -16,7 +16,8 @@ def smol():
 def test_greedy_matches_transformers(smol):
     from transformers import AutoModelForCausalLM
 
-    outs = smol.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    # min_tokens, like HF's min_new_tokens, forbids EOS so both produce exactly 32 tokens
+    outs = smol.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, min_tokens=32), use_tqdm=False)
     hf = AutoModelForCausalLM.from_pretrained(demo_model_dir(), dtype=torch.float32)
     tok = smol.get_tokenizer()
     for prompt, out in zip(PROMPTS, outs):
