@@ -8,6 +8,10 @@ from torch import nn
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from lqe.kernels.fused_ops import silu_and_mul
+
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

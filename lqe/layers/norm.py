@@ -12,6 +12,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.is_cuda:  # one fused Triton kernel on GPU (same rounding as below)
+            from lqe.kernels.fused_ops import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x

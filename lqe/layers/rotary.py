@@ -48,6 +48,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``q [T, H*D]``, ``k [T, KVH*D]`` rotated at ``positions [T]``."""
+        if q.is_cuda:
+            from lqe.kernels.fused_ops import rotary_embedding
+
+            return rotary_embedding(positions, q, k, self.cos_sin, self.head_dim)
         cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [T, D/2]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
