@@ -6,8 +6,9 @@ import math
 
 import torch
 
+from lqe.kernels import gemm
 from lqe.kernels.gemm import BLOCK_N, counters, ext, plan_slabs_per_split
-from lqe.kernels.repack import PackedW8A8
+from lqe.kernels.repack import PackedW8A8, repack_w8a8, w8a8_unsupported
 
 FP8_MAX = 448.0  # float8_e4m3fn
 
@@ -52,6 +53,51 @@ def w8a8_linear(x: torch.Tensor, packed: PackedW8A8, bias: torch.Tensor | None =
     return w8a8_gemm(q, s, packed, azp, bias, x.dtype).view(*lead, packed.n)
 
 
+def quantize_static(x: torch.Tensor, scale: torch.Tensor, azp: torch.Tensor | None = None) -> torch.Tensor:
+    """Static per-tensor int8 quantization ``sat(round(x / scale) (+ azp))`` (torch ops; the same arithmetic as
+    :func:`lqe.quant_layers.reference.static_quant_int8`)."""
+    q = torch.round(x.float() / scale.float())
+    if azp is not None:
+        q = q + azp.float()
+    return q.clamp(-128, 127).to(torch.int8)
+
+
+def w8a8_linear_static(x: torch.Tensor, packed: PackedW8A8, scale: torch.Tensor, azp: torch.Tensor | None = None,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Static per-tensor activation quantization (``scale``/``azp`` one element each) then the int8 GEMM with the
+    same epilogue as the dynamic path (the scalar scale / zero point broadcast over tokens)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    q = quantize_static(x2, scale, azp)
+    return w8a8_gemm(q, scale, packed, azp, bias, x.dtype).view(*lead, packed.n)
+
+
+def select_w8a8_kernel(wq_kn: torch.Tensor, w_scale: torch.Tensor, device: torch.device | str,
+                       dtype: torch.dtype) -> tuple[PackedW8A8 | None, str]:
+    """Repack int8 ``wq_kn [K, N]`` (math orientation) with per-channel ``w_scale [N]`` for the lqe W8A8 kernel:
+    ``(packed, description)``, else ``(None, reason)`` listing every reason."""
+    device = torch.device(device)
+    k, n = wq_kn.shape
+    reasons = []
+    if device.type != "cuda":
+        reasons.append(f"device is {device.type}, lqe-w8a8 needs cuda")
+    if dtype not in (torch.float16, torch.bfloat16):
+        reasons.append(f"activation dtype {dtype} (lqe-w8a8 needs float16 or bfloat16)")
+    shape_reason = w8a8_unsupported(k, n)
+    if shape_reason:
+        reasons.append(shape_reason)
+    if device.type == "cuda" and torch.cuda.is_available():
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 0):
+            reasons.append(f"compute capability {cap[0]}.{cap[1]} < 8.0 (mma.sync s8 m16n8k32 needs Ampere+)")
+    if not reasons and not gemm.available():
+        reasons.append(str(gemm.unavailable_reason()))
+    if reasons:
+        return None, "lqe-w8a8 unavailable: " + "; ".join(reasons)
+    packed = repack_w8a8(wq_kn.to(device), w_scale.to(device))
+    return packed, f"lqe-w8a8 int8 GEMM (K={k}, N={n})"
+
+
 def fp8_supported(device: torch.device | str | None = None) -> str | None:
     """Why FP8 ``_scaled_mm`` cannot run here, or ``None``."""
     if not torch.cuda.is_available():
@@ -81,7 +127,56 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq_nk: torch.Tensor, w_sca
     return torch._scaled_mm(xq, wq_nk.t(), scale_a=x_scale, scale_b=w_scale, bias=bias, out_dtype=out_dtype)
 
 
-def fp8_linear(x: torch.Tensor, wq_nk: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None):
+def fp8_quantize_static(x: torch.Tensor, scale: torch.Tensor):
+    """``[M, K]`` -> (fp8 ``[M, K]``, fp32 ``[M, 1]``) with one static per-tensor scale."""
+    s = scale.float().reshape(1, 1)
+    return (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s.expand(x.shape[0], 1).contiguous()
+
+
+def fp8_linear(x: torch.Tensor, wq_nk: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+               input_scale: torch.Tensor | None = None):
+    """FP8 W8A8 linear, output in ``x``'s dtype: dynamic per-token activation scales, or the static per-tensor
+    ``input_scale``. Row-wise ``_scaled_mm`` produces bfloat16 (the only output type torch supports for it on
+    every version), so other activation dtypes are computed in bfloat16 and cast back."""
     lead = x.shape[:-1]
-    xq, xs = fp8_quantize_per_token(x.reshape(-1, x.shape[-1]))
-    return fp8_gemm(xq, xs, wq_nk, w_scale, bias, x.dtype).view(*lead, wq_nk.shape[0])
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    xq, xs = fp8_quantize_per_token(x2) if input_scale is None else fp8_quantize_static(x2, input_scale)
+    w_scale = w_scale.float().reshape(1, -1)
+    if x.dtype == torch.bfloat16:
+        return fp8_gemm(xq, xs, wq_nk, w_scale, bias, x.dtype).view(*lead, wq_nk.shape[0])
+    out = fp8_gemm(xq, xs, wq_nk, w_scale, None, torch.bfloat16).to(x.dtype)
+    if bias is not None:
+        out = out + bias.to(x.dtype)
+    return out.view(*lead, wq_nk.shape[0])
+
+
+_FP8_PROBED: dict[str, str | None] = {}
+
+
+def fp8_rowwise_reason(device: torch.device | str) -> str | None:
+    """Why :func:`fp8_linear` (row-wise scaled ``torch._scaled_mm``) cannot run on ``device``, or ``None``.
+    Beyond :func:`fp8_supported`, runs one tiny product per device (cached) so a torch build without row-wise
+    scaling for this GPU is a reason, not a crash at the first forward."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"device is {device.type}, fp8 _scaled_mm needs cuda"
+    why = fp8_supported(device)
+    if why is not None:
+        return why
+    key = str(device if device.index is not None else torch.device("cuda", torch.cuda.current_device()))
+    if key not in _FP8_PROBED:
+        try:
+            # deterministic inputs: the probe must not advance the CUDA RNG
+            w = torch.linspace(-1.0, 1.0, 64 * 32, device=device).reshape(64, 32)
+            x = torch.linspace(-2.0, 2.0, 3 * 64, device=device).reshape(3, 64)
+            wq, ws = fp8_quantize_weight(w)
+            ok = True
+            for dt in (torch.float16, torch.bfloat16):
+                y = fp8_linear(x.to(dt), wq, ws, torch.ones(32, device=device, dtype=dt))
+                ref = x @ w + 1.0
+                ok = ok and y.shape == (3, 32) and bool(((y.float() - ref).abs() <= 0.1 * ref.abs().max() + 0.1).all())
+            torch.cuda.synchronize(device)
+            _FP8_PROBED[key] = None if ok else "torch._scaled_mm row-wise probe gave a wrong result"
+        except (RuntimeError, TypeError, ValueError) as e:
+            _FP8_PROBED[key] = f"torch._scaled_mm row-wise probe failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    return _FP8_PROBED[key]

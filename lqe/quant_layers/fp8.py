@@ -3,7 +3,13 @@ per-tensor (one per fused shard), per-channel ``[N, 1]`` or block ``[ceil(N/bh),
 
 Without FP8 hardware (CPU, pre-sm89 GPUs) this runs weight-only: each call dequantizes column blocks of the
 fp8 weight into the activation dtype and multiplies; ``input_scale`` is read and validated but activations are
-not quantized (vLLM's fallback on such GPUs is the same weight-only FP8 path)."""
+not quantized (vLLM's fallback on such GPUs is the same weight-only FP8 path).
+
+On a GPU where :func:`lqe.kernels.fp8_rowwise_reason` finds row-wise scaled ``torch._scaled_mm`` working (Hopper /
+Ada), checkpoints with quantized activations and per-tensor / per-channel weight scales run FP8 W8A8 through
+:func:`lqe.kernels.fp8_linear` (dynamic per-token activation scales, or the static ``input_scale``: the max over
+fused shards); block-scaled or weight-only checkpoints, and any GPU where it declines, use the dequant path, with
+the reason logged once per layer kind."""
 from __future__ import annotations
 
 import torch
@@ -12,8 +18,9 @@ from torch import nn
 
 from lqe.quant_layers.base import LinearMethod, empty_param
 from lqe.quant_layers.ct_scheme import CTScheme
-from lqe.quant_layers.loading import FLOAT_DTYPES, add_param, drop_params, require_loaded
+from lqe.quant_layers.loading import FLOAT_DTYPES, add_param, drop_params, is_loaded, require_loaded
 from lqe.quant_layers.w8a8 import per_shard_to_channel
+from lqe.quant_layers.wna16_kernels import cuda_kernels_declined, layer_kind, log_fallback_once
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 CHUNK_ELEMS = 1 << 23
@@ -51,11 +58,49 @@ class FP8Method(LinearMethod):
         scale = layer.weight_scale.data.float()
         if strategy == "tensor":
             scale = per_shard_to_channel(scale, layer.output_sizes).reshape(-1, 1)
-        layer.register_buffer("fp8_weight", layer.weight.data)
-        layer.register_buffer("fp8_scale", scale.to(layer.params_dtype))
-        drop_params(layer, ["weight", "weight_scale", "input_scale"])
+        device = layer.weight.device
+        declined = cuda_kernels_declined(device)
+        cuda = declined is None
+        why = self.scaled_mm_reason(layer) if cuda else (declined if device.type == "cuda" else "")
         gran = f"block {self.block[0]}x{self.block[1]}" if strategy == "block" else strategy
-        self.summary = f"fp8 e4m3 {gran} weights, weight-only dequant-matmul ({layer.fp8_weight.device.type})"
+        layer.register_buffer("fp8_weight", layer.weight.data)
+        if cuda and why is None:
+            a = self.s.input_activations
+            layer.register_buffer("fp8_w_scale", scale.reshape(1, -1).contiguous())  # [1, N] float32
+            static = not a.dynamic and is_loaded(layer, "input_scale")  # else dynamic per-token (never NaN scales)
+            layer.register_buffer("fp8_in_scale", layer.input_scale.data.float().max().reshape(1) if static else None)
+            act = "static per-tensor" if static else "dynamic per-token"
+            self.summary = f"fp8 e4m3 {gran} weights, {act} fp8 activations, torch._scaled_mm (cuda)"
+        else:
+            layer.register_buffer("fp8_scale", scale.to(layer.params_dtype))
+            where = device.type
+            if cuda:
+                log_fallback_once(layer_kind(layer, "fp8"), why)
+            if why:
+                where = f"{where}; {why}"
+            self.summary = f"fp8 e4m3 {gran} weights, weight-only dequant-matmul ({where})"
+        drop_params(layer, ["weight", "weight_scale", "input_scale"])
+
+    def scaled_mm_reason(self, layer: nn.Module) -> str | None:
+        """Why this layer cannot run FP8 W8A8 through ``torch._scaled_mm``, or ``None``; never raises."""
+        if self.s.input_activations is None:
+            return "weight-only fp8 checkpoint (no input_activations)"
+        if self.s.weights.strategy == "block":
+            return "block-scaled fp8 weights (row-wise _scaled_mm needs per-tensor or per-channel scales)"
+        if layer.params_dtype not in (torch.float16, torch.bfloat16):
+            return f"activation dtype {layer.params_dtype} (fp8 _scaled_mm path needs float16 or bfloat16)"
+        n, k = layer.weight.shape
+        if k % 16 or n % 16:
+            return f"shape K={k}, N={n}: torch._scaled_mm needs multiples of 16"
+        try:
+            import lqe.kernels as kernels
+
+            reason = getattr(kernels, "fp8_rowwise_reason", None)
+            if reason is None:
+                return "lqe.kernels provides no fp8_rowwise_reason"
+            return reason(layer.weight.device)
+        except Exception as e:  # noqa: BLE001 -- any failure here must leave the dequant path usable
+            return f"fp8 probe failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
     def dequant_rows(self, layer: nn.Module, n0: int, n1: int, dtype: torch.dtype) -> torch.Tensor:
         w = layer.fp8_weight[n0:n1].to(dtype)
@@ -67,6 +112,13 @@ class FP8Method(LinearMethod):
         return w * s
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if getattr(layer, "fp8_w_scale", None) is not None:
+            from lqe.kernels import w8a8 as kw
+
+            xa = x.to(layer.params_dtype)
+            out = kw.fp8_linear(xa, layer.fp8_weight, layer.fp8_w_scale, None if bias is None else bias.to(xa.dtype),
+                                layer.fp8_in_scale)
+            return out.to(x.dtype)
         n, k = layer.fp8_weight.shape
         dt = layer.params_dtype if x.dtype not in FLOAT_DTYPES else x.dtype
         step = max(self.block[0], (CHUNK_ELEMS // k) // self.block[0] * self.block[0])

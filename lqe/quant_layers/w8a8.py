@@ -4,7 +4,13 @@ Weights: symmetric int8 ``[N, K]`` with per-channel ``[N, 1]`` or per-tensor sca
 shard, expanded per channel). Activations: dynamic per token, or static per tensor (``input_scale``, max over
 fused shards), symmetric or asymmetric (``input_zero_point``; ``azp * colsum(W)`` correction). int8 x int8
 with int32 accumulation (``torch._int_mm`` where it works, else an exact float64 product), then the epilogue.
-Weight-only int8 (no ``input_activations``) runs through :class:`Int8WeightOnly`.
+Weight-only int8 (no ``input_activations``) runs through :func:`select_w4a16_kernel` (the lqe W8A16 CUDA kernel on
+a GPU, else :class:`Int8WeightOnly`).
+
+On a CUDA device the weights are repacked once for the lqe W8A8 kernel (:func:`lqe.kernels.select_w8a8_kernel`):
+dynamic per-token activations (sym / asym) go through :func:`lqe.kernels.w8a8_linear`, static per-tensor ones are
+quantized in torch and go through the same GEMM epilogue (:func:`lqe.kernels.w8a8_linear_static`). When the kernel
+declines, the torch path above runs and the reason is logged once per layer kind.
 """
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ from lqe.quant_layers.base import LinearMethod, empty_param
 from lqe.quant_layers.canonical import CanonicalWeight
 from lqe.quant_layers.ct_scheme import CTScheme
 from lqe.quant_layers.loading import FLOAT_DTYPES, INT_DTYPES, add_param, drop_params, require_loaded
-from lqe.quant_layers.wna16_kernels import select_w4a16_kernel
+from lqe.quant_layers.wna16_kernels import cuda_kernels_declined, layer_kind, log_fallback_once, select_w4a16_kernel
 
 _INT_MM_BROKEN: set[str] = set()
 
@@ -31,6 +37,19 @@ def int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             if dev == "cpu":
                 _INT_MM_BROKEN.add(dev)
     return (a.double() @ b.double()).to(torch.int32)  # |acc| <= K * 2^14 < 2^53: exact
+
+
+def select_w8a8_cuda(wq_kn: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype):
+    """``(packed, description)`` for the lqe W8A8 CUDA kernel, or ``(None, reason)``; never raises."""
+    why = cuda_kernels_declined(wq_kn.device)
+    if why is not None:
+        return None, why
+    try:
+        from lqe.kernels import w8a8 as kw
+
+        return kw.select_w8a8_kernel(wq_kn, w_scale, wq_kn.device, dtype)
+    except Exception as e:  # noqa: BLE001 -- any failure here must leave the torch path usable
+        return None, f"lqe-w8a8 failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 def per_shard_to_channel(values: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -78,23 +97,42 @@ class W8A8Int8Method(LinearMethod):
         ws = layer.weight_scale.data.float()
         s_w = ws.reshape(-1) if self.s.weights.strategy == "channel" else per_shard_to_channel(ws, layer.output_sizes)
         w = layer.weight.data
+        declined = cuda_kernels_declined(w.device)
+        cuda = declined is None
         if a is None:
             cw = CanonicalWeight((w.to(torch.int16) + 128).to(torch.uint8).t().contiguous(), s_w.reshape(1, -1), None, None, 8, -1)
             kernel, _ = select_w4a16_kernel(cw, w.device, layer.params_dtype)
             layer.qkernel = kernel
+            if cuda and getattr(kernel, "why", ""):
+                log_fallback_once(layer_kind(layer, "w8a16 int8"), kernel.why)
             self.summary = f"w8a16 int8 {self.s.weights.strategy}, {kernel.describe()}"
         else:
-            layer.register_buffer("w_int8_t", w.t().contiguous())
-            layer.register_buffer("w_scale", s_w.contiguous())
-            layer.register_buffer("azp_adj", None if a.symmetric else w.to(torch.int64).sum(dim=1))
+            packed, why = select_w8a8_cuda(w.t(), s_w, layer.params_dtype) if cuda else (None, "")
+            if packed is not None:
+                layer.register_buffer("w8a8_qweight", packed.qweight)
+                layer.register_buffer("w8a8_w_scale", packed.w_scale)
+                layer.register_buffer("w8a8_colsum", None if a.symmetric else packed.colsum)
+                layer.w8a8_shape = (packed.k, packed.n)
+            else:
+                layer.register_buffer("w_int8_t", w.t().contiguous())
+                layer.register_buffer("w_scale", s_w.contiguous())
+                layer.register_buffer("azp_adj", None if a.symmetric else w.to(torch.int64).sum(dim=1))
             if static:
                 zps = None if a.symmetric else layer.input_zero_point.data
                 s_in, z_in = merge_static_input(layer.input_scale.data.float(), zps)
                 layer.register_buffer("in_scale", s_in)
                 layer.register_buffer("in_zp", z_in)
             act = f"{'static per-tensor' if static else 'dynamic per-token'} {'sym' if a.symmetric else 'asym'}"
-            mm = "torch._int_mm" if "cpu" not in _INT_MM_BROKEN else "exact fallback"
-            self.summary = f"w8a8 int8 {self.s.weights.strategy} weights, {act} activations, {mm} ({w.device.type})"
+            if packed is not None:
+                mm = f"cuda {why}"
+            else:
+                mm = "torch._int_mm" if "cpu" not in _INT_MM_BROKEN else "exact fallback"
+                if cuda:
+                    log_fallback_once(layer_kind(layer, "w8a8 int8"), why)
+                    mm = f"{mm} ({w.device.type}; {why})"
+                else:
+                    mm = f"{mm} ({w.device.type}; {declined})" if w.device.type == "cuda" else f"{mm} ({w.device.type})"
+            self.summary = f"w8a8 int8 {self.s.weights.strategy} weights, {act} activations, {mm}"
         drop_params(layer, ["weight", "weight_scale", "input_scale", "input_zero_point"])
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -108,6 +146,8 @@ class W8A8Int8Method(LinearMethod):
 
     def _w8a8(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         a = self.s.input_activations
+        if getattr(layer, "w8a8_qweight", None) is not None:
+            return self._w8a8_cuda(layer, x, bias)
         if a.dynamic:
             x_q, s_a, azp = ref.per_token_quant_int8(x, a.symmetric)
         else:
@@ -118,6 +158,20 @@ class W8A8Int8Method(LinearMethod):
             acc = acc.to(torch.int64) - azp.to(torch.int64).reshape(-1, 1) * layer.azp_adj
         out = (s_a.reshape(-1, 1) * layer.w_scale) * acc.to(torch.float32)
         return out if bias is None else out + bias.float()
+
+    def _w8a8_cuda(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from lqe.kernels import w8a8 as kw
+        from lqe.kernels.repack import PackedW8A8
+
+        a = self.s.input_activations
+        k, n = layer.w8a8_shape
+        packed = PackedW8A8(layer.w8a8_qweight, layer.w8a8_w_scale, layer.w8a8_colsum, k, n)
+        x = x.to(layer.params_dtype)
+        if bias is not None:
+            bias = bias.to(x.dtype).contiguous()
+        if a.dynamic:
+            return kw.w8a8_linear(x, packed, bias, symmetric=a.symmetric)
+        return kw.w8a8_linear_static(x, packed, layer.in_scale, layer.in_zp, bias)
 
     def describe(self, layer: nn.Module) -> str:
         return self.summary or "w8a8 int8 (weights not processed yet)"

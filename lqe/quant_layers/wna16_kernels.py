@@ -1,9 +1,11 @@
 """Runtime paths for weight-only quantized layers (W4A16 / W8A16), selected once per layer.
 
-:func:`select_w4a16_kernel` walks a priority list: a GPU kernel from ``lqe.kernels`` (when that package
-provides ``select_wna16_kernel(cw, device, act_dtype) -> (module | None, reasons)``), torch's packed CPU
-ops, then the dequantize+matmul path that always works. Each path is an ``nn.Module`` holding its tensors as
-buffers (so ``.to()`` moves them) with ``forward(x2d, bias)`` and ``describe()``.
+:func:`select_w4a16_kernel` walks a priority list: on a CUDA device the lqe CUDA kernel
+(``lqe.kernels.select_w4a16_kernel(cw, device, dtype) -> (kernel | None, reason)``, wrapped in
+:class:`CudaWNA16`), torch's packed CPU ops, then the dequantize+matmul path that always works. Each path is an
+``nn.Module`` holding its tensors as buffers (so ``.to()`` moves them) with ``forward(x2d, bias)`` and
+``describe()``. When a CUDA kernel declines, the reason is logged once per layer kind
+(:func:`log_fallback_once`) and shown by ``describe()``; ``LQE_DISABLE_CUDA_KERNELS=1`` forces the torch paths.
 
 Measured on this CPU (2 cores, torch 2.13, K=N=2048, g128, best of 7): ``_weight_int4pack_mm_for_cpu`` in bf16
 takes 0.11 / 0.76 / 6.9 ms for M = 1 / 16 / 128 against 2.4 / 2.7 / 4.1 ms for dequant+matmul; in fp32 it is
@@ -11,6 +13,9 @@ slower than dequant+matmul (3.5 / 57 / 463 ms). ``_weight_int8pack_mm`` in bf16:
 0.9 / 1.2 / 3.4 ms; in fp32 it loses for M > 1. Hence: packed ops for bf16/fp16 only, int8 only for M <= 32.
 """
 from __future__ import annotations
+
+import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -22,12 +27,50 @@ CHUNK_ELEMS = 1 << 23  # dequantize at most this many weights at once (32 MB in 
 INT4PACK_GROUPS = (32, 64, 128, 256)
 INT8PACK_MAX_M = 32
 
+log = logging.getLogger("lqe.quant_layers")
+_LOGGED: set[tuple[str, str]] = set()
+
+
+def cuda_kernels_declined(device: torch.device | str) -> str | None:
+    """Why the lqe CUDA kernels are not even tried for a layer on ``device`` (``None``: try them). CPU layers
+    never touch :mod:`lqe.kernels`, so their behaviour is exactly the torch paths'."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"device is {device.type}"
+    if os.environ.get("LQE_DISABLE_CUDA_KERNELS", "").strip() not in ("", "0"):
+        return "disabled by LQE_DISABLE_CUDA_KERNELS"
+    return None
+
+
+def layer_kind(layer: nn.Module, family: str) -> str:
+    """``family`` plus the layer's last name component (``qkv_proj``, ``down_proj`` ...): the unit fallbacks
+    are logged per."""
+    prefix = str(getattr(layer, "prefix", "") or "")
+    return f"{family} {prefix.rsplit('.', 1)[-1]}".strip()
+
+
+def log_fallback_once(kind: str, reason: str) -> None:
+    """Log that a CUDA kernel declined layers of ``kind`` (once per kind and reason)."""
+    key = (kind, reason)
+    if key in _LOGGED:
+        return
+    _LOGGED.add(key)
+    log.warning("lqe: %s runs on the torch path: %s", kind, reason)
+
+
+def _with_reason(desc: str, why: str) -> str:
+    """``"name (cuda)"`` -> ``"name (cuda; why)"``."""
+    if not why:
+        return desc
+    return desc[:-1] + f"; {why})" if desc.endswith(")") else f"{desc} ({why})"
+
 
 class DequantMatmul(nn.Module):
     """Keeps uint8 codes ``[K, N]``; each call dequantizes column blocks and multiplies (any bits, group size,
     act-order, zero points)."""
 
     name = "dequant-matmul"
+    why = ""  # set when a CUDA kernel declined this layer
 
     def __init__(self, cw: CanonicalWeight, act_dtype: torch.dtype) -> None:
         super().__init__()
@@ -62,7 +105,7 @@ class DequantMatmul(nn.Module):
         return out if bias is None else out + bias
 
     def describe(self) -> str:
-        return f"{self.name} ({self.codes.device.type})"
+        return _with_reason(f"{self.name} ({self.codes.device.type})", self.why)
 
 
 class Int4PackCPU(nn.Module):
@@ -111,6 +154,7 @@ class Int8WeightOnly(nn.Module):
     bf16/fp16, otherwise dequantize + matmul (no second copy of the weights either way)."""
 
     name = "int8-weight-only"
+    why = ""
 
     @staticmethod
     def why_not(cw: CanonicalWeight, device: torch.device, act_dtype: torch.dtype) -> str | None:
@@ -139,30 +183,85 @@ class Int8WeightOnly(nn.Module):
 
     def describe(self) -> str:
         dev = self.weight.device.type
-        return f"{self.name}: " + ("torch-int8pack for M<=32 else dequant-matmul (cpu)" if dev == "cpu" else f"dequant-matmul ({dev})")
+        d = "torch-int8pack for M<=32 else dequant-matmul (cpu)" if dev == "cpu" else f"dequant-matmul ({dev})"
+        return f"{self.name}: " + _with_reason(d, self.why)
 
 
-def _external(cw: CanonicalWeight, device: torch.device, act_dtype: torch.dtype) -> tuple[nn.Module | None, list[str]]:
+class CudaWNA16(nn.Module):
+    """The lqe W4A16/W8A16 CUDA GEMM (:func:`lqe.kernels.wna16_gemm`). Holds only the repacked kernel state
+    (int32 ``qweight``, scales / zero points in the activation dtype, the act-order ``perm``) as buffers; no
+    float copy of the weights is kept (above ``LARGE_M_THRESHOLD`` tokens the kernel dequantizes into a
+    temporary per call)."""
+
+    name = "cuda w4a16 kernel"
+
+    def __init__(self, kernel, description: str) -> None:
+        super().__init__()
+        p = kernel.packed
+        self.register_buffer("qweight", p.qweight)
+        self.register_buffer("scales", p.scales)
+        self.register_buffer("zeros", p.zeros)
+        self.register_buffer("perm", p.perm)
+        self.bits, self.group_size, self.k, self.n = p.bits, p.group_size, p.k, p.n
+        self.description = description
+
+    def packed(self):
+        from lqe.kernels.repack import PackedWNA16
+
+        return PackedWNA16(self.qweight, self.scales, self.zeros, self.perm, self.bits, self.group_size, self.k, self.n)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from lqe.kernels import gemm
+
+        x = x.to(self.scales.dtype)
+        if bias is not None:
+            bias = bias.to(x.dtype).contiguous()
+        return gemm.wna16_gemm(x, self.packed(), bias)
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.description})"
+
+
+def _external(cw: CanonicalWeight, device: torch.device, act_dtype: torch.dtype) -> tuple[nn.Module | None, str]:
+    """The lqe CUDA kernel for ``cw`` or ``(None, why not)``; never raises (a broken build or an unexpected
+    repack error falls back to the torch paths with the error as the reason)."""
     try:
-        from lqe.kernels import select_wna16_kernel  # type: ignore[attr-defined]
-    except ImportError:
-        return None, ["lqe.kernels: no select_wna16_kernel"]
-    return select_wna16_kernel(cw, device, act_dtype)
+        import lqe.kernels as kernels
+
+        kernel, desc = kernels.select_w4a16_kernel(cw, device, act_dtype)
+    except Exception as e:  # noqa: BLE001 -- any failure here must leave the torch path usable
+        return None, f"lqe-wna16 failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if kernel is None:
+        return None, desc
+    return CudaWNA16(kernel, desc), ""
 
 
 def select_w4a16_kernel(cw: CanonicalWeight, device: torch.device | str, act_dtype: torch.dtype) -> tuple[nn.Module, list[str]]:
     """The fastest path that can run ``cw`` on ``device``; returns ``(module, reasons the better ones were
-    skipped)``. Dequant+matmul is always possible, so this never fails."""
+    skipped)``. Dequant+matmul is always possible, so this never fails. On CUDA, the first reason is why the
+    lqe kernel declined; the torch module returned then shows it in ``describe()``."""
     device = torch.device(device)
-    module, reasons = _external(cw, device, act_dtype) if device.type == "cuda" else (None, [])
-    if module is not None:
-        return module, reasons
+    reasons: list[str] = []
+    cuda_why = ""
+    declined = cuda_kernels_declined(device)
+    if declined is None:
+        module, cuda_why = _external(cw, device, act_dtype)
+        if module is not None:
+            return module, reasons
+        reasons.append(cuda_why)
+    elif device.type == "cuda":  # a GPU layer told not to use the kernels: say so in describe()
+        cuda_why = declined
+        reasons.append(cuda_why)
     for cls in (Int4PackCPU, Int8WeightOnly):
         why = cls.why_not(cw, device, act_dtype)
         if why is None:
             try:
-                return cls(cw, act_dtype).to(device), reasons
+                module = cls(cw, act_dtype).to(device)
+                module.why = cuda_why
+                return module, reasons
             except RuntimeError as e:  # a torch build without the op for this shape
                 why = str(e).splitlines()[0]
         reasons.append(f"{cls.name}: {why}")
-    return DequantMatmul(cw, act_dtype).to(device), reasons
+    module = DequantMatmul(cw, act_dtype).to(device)
+    module.why = cuda_why
+    return module, reasons
