@@ -1,0 +1,5 @@
+import sys
+
+from tools.convert.cli import main
+
+sys.exit(main())

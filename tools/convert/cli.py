@@ -1,0 +1,95 @@
+"""Command line: ``python -m tools.convert {export,quantize,verify} ...`` (see each subcommand's --help)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import warnings
+
+from tools.convert.spec import FORMATS, ConvertError, ExportSpec, parse_dtype, parse_size
+
+
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="float Hugging Face checkpoint directory (safetensors)")
+    p.add_argument("--out", required=True, help="output directory (must be empty unless --overwrite)")
+    p.add_argument("--format", default="gptq", choices=FORMATS, help="gptq (v1, default), gptq_v2, awq, w8a8, w4a16-ct")
+    p.add_argument("--bits", type=int, default=None, help="4 (default; 8 for w8a8)")
+    p.add_argument("--group-size", type=int, default=None, help="128 (default; -1 = per channel, the w8a8 default)")
+    sym = p.add_mutually_exclusive_group()
+    sym.add_argument("--sym", dest="sym", action="store_true", default=None)
+    sym.add_argument("--asym", dest="sym", action="store_false")
+    p.add_argument("--desc-act", action="store_true", help="act-order (g_idx)")
+    p.add_argument("--clamp-zero", action="store_true", help="gptq v1: clamp true zero 0 to 1 (warns) instead of refusing")
+    p.add_argument("--quantize-lm-head", action="store_true")
+    p.add_argument("--dtype", default=None, help="scale dtype: fp16 (gptq/awq default), bf16, fp32 (CT default)")
+    p.add_argument("--float-dtype", default="auto", help="dtype of non-quantized tensors: auto (source), fp16, bf16, fp32")
+    p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument("--overwrite", action="store_true")
+
+
+def _spec(a: argparse.Namespace, **extra) -> ExportSpec:
+    w8 = a.format == "w8a8"
+    return ExportSpec(fmt=a.format, bits=a.bits or (8 if w8 else 4), group_size=a.group_size or (-1 if w8 else 128),
+                      sym=(a.format != "awq") if a.sym is None else a.sym, desc_act=a.desc_act, clamp_zero=a.clamp_zero,
+                      quantize_lm_head=a.quantize_lm_head, scale_dtype=parse_dtype(a.dtype),
+                      float_dtype=parse_dtype(a.float_dtype), max_shard_size=parse_size(a.max_shard_size), **extra)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m tools.convert", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    ex = sub.add_parser("export", help="float weights + params (or fake-quantized weights) -> quantized checkpoint")
+    _add_spec_args(ex)
+    ex.add_argument("--params", default=None, help="safetensors/torch file with <layer>.scales [G,N], .zeros [G,N], "
+                                                  ".g_idx [K] or .perm [K]; without it the weights must be fake-quantized")
+    q = sub.add_parser("quantize", help="calibrate (rtn, gptq, awq, smoothquant) and export")
+    _add_spec_args(q)
+    q.add_argument("--method", default="gptq", choices=("rtn", "gptq", "awq", "smoothquant"))
+    q.add_argument("--static-groups", action="store_true")
+    q.add_argument("--no-true-sequential", dest="true_sequential", action="store_false")
+    q.add_argument("--calib", default=None, help="calibration text file (default ../shared/data/wikitext2-valid.tokens)")
+    q.add_argument("--num-samples", type=int, default=32)
+    q.add_argument("--seq-len", type=int, default=256)
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--damp", type=float, default=0.01, help="GPTQ damping, fraction of mean diag(H)")
+    q.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength")
+    q.add_argument("--awq-clip", action="store_true", help="AWQ: also search per-group clipping ratios")
+    q.add_argument("--batch-size", type=int, default=8)
+    v = sub.add_parser("verify", help="decode a GPTQ/AWQ/compressed-tensors checkpoint and check it")
+    v.add_argument("dir")
+    v.add_argument("--against", default=None, help="float (or fake-quantized) checkpoint to compare decoded weights with")
+    v.add_argument("--max-error", type=float, default=None, help="fail when a layer's max abs error exceeds this")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    warnings.simplefilter("always")
+    try:
+        if a.cmd == "export":
+            from tools.convert.export import export_checkpoint
+
+            r = export_checkpoint(a.model, a.out, params=a.params, overwrite=a.overwrite, spec=_spec(a))
+            print(f"exported {len(r.layers)} layers to {r.out_dir} ({', '.join(r.files)})")
+        elif a.cmd == "quantize":
+            from tools.convert.quantize import CalibOptions, quantize_checkpoint
+
+            spec = _spec(a, damp_percent=a.damp, static_groups=a.static_groups, true_sequential=a.true_sequential)
+            opts = CalibOptions(a.calib, a.num_samples, a.seq_len, a.seed, a.alpha, a.awq_clip, a.batch_size)
+            r, res = quantize_checkpoint(a.model, a.out, a.method, spec, opts, a.overwrite)
+            print(f"{a.method}: quantized {len(r.layers)} layers in {res.seconds:.1f} s -> {r.out_dir} ({', '.join(r.files)})")
+        else:
+            from tools.convert.verify import format_table, verify_checkpoint
+
+            res = verify_checkpoint(a.dir, a.against)
+            too_big = [c.name for c in res.layers if a.max_error is not None and c.max_err is not None and c.max_err > a.max_error]
+            for c in res.layers:
+                if c.name in too_big:
+                    c.issues.append(f"max abs error {c.max_err:.3g} > --max-error {a.max_error}")
+            print(format_table(res))
+            return 0 if res.ok else 1
+    except ConvertError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,118 @@
+"""Reading a float HF checkpoint and writing a converted one: sharded safetensors (+ index), config files,
+tokenizer / generation files, all into a temporary directory beside ``out`` that is moved into place at the end."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tools.convert.spec import ConvertError
+
+WEIGHT_INDEX = "model.safetensors.index.json"
+COPY_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken", ".py")
+SKIP_FILES = ("config.json", "quantize_config.json", "quant_config.json", WEIGHT_INDEX)
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise ConvertError(f"{model_dir!r} is not a Hugging Face model directory (no config.json)")
+    index = os.path.join(model_dir, WEIGHT_INDEX)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise ConvertError(f"{model_dir!r} holds no *.safetensors weights (convert .bin checkpoints with save_pretrained first)")
+    return [os.path.join(model_dir, f) for f in files]
+
+
+def load_state_dict(model_dir: str) -> dict[str, torch.Tensor]:
+    sd: dict[str, torch.Tensor] = {}
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                sd[key] = f.get_tensor(key)
+    return sd
+
+
+def read_config(model_dir: str) -> dict[str, Any]:
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def check_out_dir(out_dir: str, overwrite: bool) -> None:
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)) and not overwrite:
+        raise ConvertError(f"output directory {out_dir!r} exists and is not empty; pass --overwrite to replace it")
+
+
+@contextmanager
+def staging_dir(out_dir: str, overwrite: bool) -> Iterator[str]:
+    """A temporary directory beside ``out_dir``; on success it replaces ``out_dir``, on failure it is removed."""
+    check_out_dir(out_dir, overwrite)
+    parent = os.path.dirname(os.path.abspath(out_dir)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="." + os.path.basename(os.path.abspath(out_dir)) + ".tmp-", dir=parent)
+    try:
+        yield tmp
+        if os.path.exists(out_dir):
+            old = tmp + ".old"
+            os.rename(out_dir, old)
+            os.rename(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def write_shards(out_dir: str, tensors: dict[str, torch.Tensor], max_shard_size: int) -> list[str]:
+    """``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` + index when over ``max_shard_size``."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        if shards[-1] and size + _nbytes(t) > max_shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += _nbytes(t)
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata=meta)
+        return ["model.safetensors"]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for fname, shard in zip(names, shards):
+        save_file(shard, os.path.join(out_dir, fname), metadata=meta)
+        weight_map.update({k: fname for k in shard})
+    index = {"metadata": {"total_size": sum(_nbytes(t) for t in tensors.values())}, "weight_map": weight_map}
+    with open(os.path.join(out_dir, WEIGHT_INDEX), "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2)
+    return names
+
+
+def copy_side_files(model_dir: str, out_dir: str) -> None:
+    """Tokenizer, generation config, chat template ... (everything small that is not weights or configs)."""
+    for f in os.listdir(model_dir):
+        src = os.path.join(model_dir, f)
+        if os.path.isfile(src) and f.endswith(COPY_SUFFIXES) and f not in SKIP_FILES:
+            shutil.copy(src, os.path.join(out_dir, f))
+
+
+def write_json(path: str, obj: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
