@@ -72,11 +72,14 @@ def calibrate(model: torch.nn.Module, input_ids: torch.Tensor | None, method: st
         if method == "gptq":
             passes = groups if spec.true_sequential else [tuple(n for g in groups for n in g)]
             for group in passes:
-                acc = {n: HessianAccumulator(lin[n].in_features) for n in group}
-                with input_hooks(layer, group, lambda n, x: acc[n].add(x)):
+                # linears of a group read the same input: one Hessian per group
+                readers = [g[0] for g in groups if set(g) & set(group)] if not spec.true_sequential else [group[0]]
+                acc = {n: HessianAccumulator(lin[n].in_features) for n in readers}
+                with input_hooks(layer, readers, lambda n, x: acc[n].add(x)):
                     runner.run(layer)
                 for n in group:
-                    cw = gptq_quantize(lin[n].weight, acc[n].hessian(), spec.bits, spec.group_size, spec.sym,
+                    first = next(g[0] for g in groups if n in g)
+                    cw = gptq_quantize(lin[n].weight, acc[first].hessian(), spec.bits, spec.group_size, spec.sym,
                                        spec.damp_percent, spec.desc_act, spec.static_groups, scale_dtype=sdt)
                     _set_weight(lin[n], cw)
                     canon[prefix + n] = cw
