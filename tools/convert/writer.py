@@ -44,6 +44,8 @@ def load_state_dict(model_dir: str) -> dict[str, torch.Tensor]:
 
 
 def read_config(model_dir: str) -> dict[str, Any]:
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise ConvertError(f"{model_dir!r} is not a Hugging Face model directory (no config.json)")
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
         return json.load(f)
 
