@@ -31,3 +31,23 @@ def test_chat_answers_paris(smol):
     out = smol.chat([{"role": "user", "content": "What is the capital of France?"}],
                     SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
     assert "Paris" in out.text and out.finish_reason == "stop"
+
+
+def test_rtn_w4_smollm2_is_sensible_and_batch_invariant(tmp_path):
+    """SmolLM2 quantized by round-to-nearest (reference codecs via tools.convert) into GPTQ W4 g64 asym."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "smol-rtn"
+    subprocess.run([sys.executable, "-m", "tools.convert", "quantize", "--model", demo_model_dir(), "--out", str(out),
+                    "--method", "rtn", "--format", "gptq", "--bits", "4", "--group-size", "64", "--asym", "--no-true-sequential"],
+                   check=True, capture_output=True)
+    llm = LLM(str(out), kv_cache_memory_bytes=128 << 20, max_model_len=1024)
+    assert "gptq 4-bit g64 asym" in llm.llm_engine.quant_description()
+    answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                      SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0].text
+    assert "Paris" in answer
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS[:2]]
+    assert batched[:2] == alone
