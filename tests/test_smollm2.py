@@ -40,7 +40,7 @@ def test_rtn_w4_smollm2_is_sensible_and_batch_invariant(tmp_path):
 
     out = tmp_path / "smol-rtn"
     subprocess.run([sys.executable, "-m", "tools.convert", "quantize", "--model", demo_model_dir(), "--out", str(out),
-                    "--method", "rtn", "--format", "gptq", "--bits", "4", "--group-size", "64", "--asym", "--no-true-sequential"],
+                    "--method", "rtn", "--format", "gptq", "--bits", "4", "--group-size", "64", "--asym"],
                    check=True, capture_output=True)
     llm = LLM(str(out), kv_cache_memory_bytes=128 << 20, max_model_len=1024)
     assert "gptq 4-bit g64 asym" in llm.llm_engine.quant_description()
