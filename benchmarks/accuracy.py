@@ -1,0 +1,107 @@
+"""Perplexity through the engine (its quantized kernels, its paged attention), optionally KL divergence and top-1
+agreement against a float reference model, and a cross-check against HF transformers for float models.
+
+    python benchmarks/accuracy.py --model smollm2-135m-instruct --seq-len 1024 --max-windows 8 --hf-check
+    python benchmarks/accuracy.py --model GPTQ_DIR --reference smollm2-135m-instruct --json out.json
+
+The text (default ``../shared/data/wikitext2-test.raw``) has its lines joined with "\\n\\n", is tokenized once
+with the tokenizer's defaults and cut into consecutive non-overlapping windows of ``--seq-len`` tokens (nothing
+prepended); window position p predicts token p + 1. Perplexity = exp(mean NLL over every scored token), from the
+engine's ``prompt_logprobs`` (``SamplingParams(max_tokens=1, prompt_logprobs=0)``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import env_info  # noqa: E402
+
+
+def hf_perplexity(model_dir: str, windows: list[list[int]]) -> float:
+    """The same windows through HF transformers in fp32 (float checkpoints only)."""
+    from transformers import AutoModelForCausalLM
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        if json.load(f).get("quantization_config"):
+            raise ValueError("--hf-check compares float models only; this checkpoint is quantized")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    nll, tokens = 0.0, 0
+    with torch.no_grad():
+        for w in windows:
+            lp = model(torch.tensor([w])).logits[0, :-1].float().log_softmax(-1)
+            nll -= float(lp.gather(1, torch.tensor(w[1:])[:, None]).sum(dtype=torch.float64))
+            tokens += len(w) - 1
+    return math.exp(nll / tokens)
+
+
+def same_4_significant(a: float, b: float) -> bool:
+    return f"{a:.4g}" == f"{b:.4g}" or abs(a - b) <= 1e-6 * abs(b)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--quantization", default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dataset", default=None, help="any text file (default ../shared/data/wikitext2-test.raw)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="window length (default min(2048, max_position_embeddings - 1): the engine generates one token)")
+    p.add_argument("--max-windows", type=int, default=None)
+    p.add_argument("--reference", default=None, help="float model: also report KL(reference || model) and top-1 agreement")
+    p.add_argument("--reference-dtype", default="auto")
+    p.add_argument("--hf-check", action="store_true", help="recompute the perplexity with HF transformers (float models)")
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args(argv)
+    from lqe import LLM
+    from lqe.eval import DEFAULT_DATASET, compare, load_windows, perplexity
+    from lqe.loaders.hf_config import read_config_json
+    from lqe.loaders.model_source import resolve_model
+
+    model_dir = resolve_model(args.model)
+    limit = int(read_config_json(model_dir).get("max_position_embeddings", 2049)) - 1
+    seq_len = args.seq_len or min(2048, limit)
+    if seq_len > limit:
+        p.error(f"--seq-len {seq_len} exceeds the model's limit {limit} (max_position_embeddings - 1)")
+    dataset = args.dataset or DEFAULT_DATASET
+    llm = LLM(model_dir, quantization=args.quantization, dtype=args.dtype, max_model_len=seq_len + 1,
+              kv_cache_memory_bytes=None if torch.cuda.is_available() else 512 << 20)
+    eng = llm.llm_engine
+    windows = load_windows(llm.get_tokenizer(), dataset, seq_len, args.max_windows)
+    t = time.perf_counter()
+    r = perplexity(llm, windows)
+    res = {**r.as_dict(), "seconds": time.perf_counter() - t, "model": args.model, "model_dir": model_dir,
+           "quantization": eng.quant_description() or "none", "dtype": str(eng.dtype).removeprefix("torch."),
+           "device": str(eng.device), "dataset": dataset, "seq_len": seq_len, "weight_bytes": eng.runner.weight_bytes(),
+           "env": env_info()}
+    print(f"{args.model}: ppl {r.ppl:.4f} over {r.tokens} tokens ({r.windows} windows x {seq_len}) "
+          f"[{res['quantization']}, {res['dtype']}, {res['device']}] in {res['seconds']:.1f} s")
+    if args.reference:
+        ref = LLM(args.reference, dtype=args.reference_dtype, max_model_len=seq_len + 1,
+                  kv_cache_memory_bytes=None if torch.cuda.is_available() else 512 << 20)
+        c = compare(eng, ref.llm_engine, windows)
+        res.update(reference=args.reference, reference_ppl=c.ref_ppl, kl=c.kl, top1_agree=c.top1_agree,
+                   ppl_full_distribution=c.ppl)
+        print(f"vs {args.reference}: reference ppl {c.ref_ppl:.4f}, KL {c.kl:.5f} nats/token, top-1 agreement "
+              f"{c.top1_agree * 100:.2f}%")
+        del ref
+    if args.hf_check:
+        hf = hf_perplexity(model_dir, windows)
+        ok = same_4_significant(r.ppl, hf)
+        res.update(hf_ppl=hf, hf_rel_diff=abs(r.ppl - hf) / hf, hf_match_4_significant=ok)
+        print(f"HF transformers (fp32): ppl {hf:.4f}; relative difference {res['hf_rel_diff']:.2e}; "
+              f"same to 4 significant digits: {'yes' if ok else 'NO'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return res
+
+
+if __name__ == "__main__":
+    main()

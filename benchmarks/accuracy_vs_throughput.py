@@ -1,0 +1,294 @@
+"""Accuracy next to speed for every quantization variant of one model: a JSON file, a Markdown table and a PNG.
+
+    python benchmarks/accuracy_vs_throughput.py --model smollm2-135m-instruct --max-windows 8 --seq-len 1024
+
+Each variant except ``float`` is built by ``python -m tools.convert quantize ...`` into ``--cache`` (reused when
+it was built with the same command). Accuracy: perplexity on the dataset's first windows, and the KL divergence
+KL(float || variant) and top-1 agreement of the next-token distributions at every scored position, all from one
+pass of full ``[L, vocab]`` distributions through each engine's ModelRunner (``lqe.eval.window_logprobs``; the
+perplexity equals the ``prompt_logprobs`` one of benchmarks/accuracy.py, tests/test_benchmarks.py checks it).
+Speed: batch-1 decode tokens/s and weight GB/s (benchmarks/latency.py) and offline throughput on a small fixed
+workload (benchmarks/throughput.py ``run_lqe``).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from common import env_info, random_lengths, random_prompts  # noqa: E402
+
+# name -> (method, format, bits, group_size, sym, desc_act); None = the float checkpoint itself
+VARIANTS: dict[str, tuple | None] = {
+    "float": None,
+    "rtn-w4g128-sym": ("rtn", "gptq", 4, 128, True, False),
+    "rtn-w4g128-asym": ("rtn", "gptq", 4, 128, False, False),
+    "gptq-w4g128-sym": ("gptq", "gptq", 4, 128, True, False),
+    "gptq-w4g128-asym-actorder": ("gptq", "gptq", 4, 128, False, True),
+    "rtn-w4g64-asym": ("rtn", "gptq", 4, 64, False, False),
+    "awq-w4g64": ("awq", "awq", 4, 64, False, False),
+    "w8a16": ("rtn", "gptq", 8, -1, True, False),
+    "w8a8-smoothquant": ("smoothquant", "w8a8", 8, -1, True, False),
+    "fp8-w8a8": ("rtn", "fp8", 8, -1, True, False),  # Hopper only, and only when tools.convert writes fp8
+}
+
+
+def default_variants() -> list[str]:
+    names = [n for n in VARIANTS if n != "fp8-w8a8"]
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0):
+        names.append("fp8-w8a8")
+    return names
+
+
+def model_name(model: str, model_dir: str) -> str:
+    from lqe.loaders.model_source import DEMO_MODEL
+
+    if model.lower() == DEMO_MODEL or os.path.basename(os.path.normpath(model_dir)) == DEMO_MODEL:
+        return DEMO_MODEL
+    return os.path.basename(os.path.normpath(model_dir))
+
+
+def device_name() -> str:
+    if not torch.cuda.is_available():
+        return "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-")
+
+
+def convert_command(model_dir: str, out: str, spec: tuple, args) -> list[str]:
+    method, fmt, bits, group, sym, desc_act = spec
+    cmd = [sys.executable, "-m", "tools.convert", "quantize", "--model", model_dir, "--out", out, "--method", method,
+           "--format", fmt, "--bits", str(bits), "--group-size", str(group), "--sym" if sym else "--asym"]
+    if desc_act:
+        cmd.append("--desc-act")
+    if method != "rtn":
+        cmd += ["--num-samples", str(args.calib_samples), "--seq-len", str(args.calib_seq_len), "--seed", str(args.seed)]
+        if args.calib:
+            cmd += ["--calib", args.calib]
+    return cmd
+
+
+def build_variant(name: str, model_dir: str, args) -> tuple[str, float | None, list[str] | None]:
+    """The checkpoint directory of ``name`` (built unless the cache holds one made by the same command)."""
+    spec = VARIANTS[name]
+    if spec is None:
+        return model_dir, None, None
+    if spec[1] not in _convert_formats():
+        raise RuntimeError(f"tools.convert cannot write format {spec[1]!r}")
+    out = os.path.join(args.cache, name)
+    cmd = convert_command(model_dir, out, spec, args)
+    stamp = out + ".cmd.json"
+    if os.path.isfile(os.path.join(out, "config.json")) and os.path.isfile(stamp):
+        with open(stamp) as f:
+            if json.load(f) == cmd[1:]:
+                return out, None, cmd
+    os.makedirs(args.cache, exist_ok=True)
+    t = time.perf_counter()
+    r = subprocess.run(cmd + ["--overwrite"], cwd=REPO, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    with open(stamp, "w") as f:
+        json.dump(cmd[1:], f)
+    return out, time.perf_counter() - t, cmd
+
+
+def _convert_formats() -> tuple[str, ...]:
+    try:
+        from tools.convert.spec import FORMATS
+    except ImportError:
+        return ()
+    return FORMATS
+
+
+def measure_variant(name: str, ckpt: str, windows, ref, args) -> dict:
+    from lqe import LLM
+    from lqe.eval import compare, window_logprobs
+    from latency import measure
+    from throughput import run_lqe
+
+    llm = LLM(ckpt, dtype=args.dtype, max_model_len=max(args.seq_len, 256), kv_cache_memory_bytes=256 << 20)
+    eng = llm.llm_engine
+    t = time.perf_counter()
+    if name == "float":  # the reference itself: its distributions are kept for the other variants
+        ref.extend(window_logprobs(eng, w)[:-1] for w in windows)
+    acc = compare(None if name == "float" else eng, ref, windows)
+    acc_s = time.perf_counter() - t
+    lat = measure(llm, 1, args.latency_prompt_len, args.latency_gen_len, reps=1, seed=args.seed)
+    row = {"name": name, "quantization": eng.quant_description() or "none", "dtype": str(eng.dtype).removeprefix("torch."),
+           "ppl": acc.ppl, "kl": acc.kl, "top1_agree": acc.top1_agree, "tokens": acc.tokens,
+           "decode_tok_s": lat["decode_tok_s"], "ttft_s": lat["ttft_s"], "weight_gb_s": lat["weight_gb_s"],
+           "weight_bytes": lat["weight_bytes"], "accuracy_s": acc_s}
+    del llm, eng
+    gc.collect()
+    tp = argparse.Namespace(model=ckpt, quantization=None, dtype=args.dtype, max_num_seqs=64, max_model_len=512,
+                            max_num_batched_tokens=2048)
+    prompts = random_prompts(args.tp_prompts, *args.tp_input_len, vocab=_vocab(ckpt), seed=args.seed)
+    out_lens = random_lengths(args.tp_prompts, *args.tp_output_len, seed=args.seed)
+    secs, n = run_lqe(tp, prompts, out_lens)
+    row["throughput_tok_s"] = n / secs
+    gc.collect()
+    return row
+
+
+def _vocab(model_dir: str) -> int:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return int(json.load(f)["vocab_size"])
+
+
+def write_outputs(res: dict, base: str) -> None:
+    with open(base + ".json", "w") as f:
+        json.dump(res, f, indent=2)
+    with open(base + ".md", "w") as f:
+        f.write(markdown(res))
+    plot(res, base + ".png")
+
+
+def markdown(res: dict) -> str:
+    e, s = res["env"], res["settings"]
+    rows = [v for v in res["variants"] if "ppl" in v]
+    fl = next((v for v in rows if v["name"] == "float"), None)
+    out = [f"## {res['model']} on {res['device']}: accuracy vs throughput", "",
+           f"Perplexity on `{os.path.basename(s['dataset'])}` ({s['windows']} windows x {s['seq_len']} tokens, "
+           f"{s['tokens']} scored tokens); KL(float || variant) in nats/token and top-1 agreement with float on the same "
+           f"positions. Decode: batch 1, {s['latency_prompt_len']}-token prompt, {s['latency_gen_len']} tokens. "
+           f"Throughput: {s['tp_prompts']} prompts of {s['tp_input_len'][0]}-{s['tp_input_len'][1]} tokens, "
+           f"{s['tp_output_len'][0]}-{s['tp_output_len'][1]} output tokens. Calibration: {s['calib_samples']} x "
+           f"{s['calib_seq_len']} tokens of `{os.path.basename(s['calib'] or 'wikitext2-valid.tokens')}`, seed {s['seed']}.",
+           "", "| variant | format | bits | group | ppl | Δppl | KL | top-1 | decode tok/s | GB/s | throughput tok/s | weights MiB |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for v in rows:
+        d = f"{(v['ppl'] / fl['ppl'] - 1) * 100:+.1f}%" if fl else ""
+        g = {None: "–", -1: "channel"}.get(v["group_size"], v["group_size"])
+        out.append(f"| {v['name']} | {v['format']} | {v['bits']} | {g} | {v['ppl']:.2f} | {d} | {v['kl']:.4f} "
+                   f"| {v['top1_agree'] * 100:.1f}% | {v['decode_tok_s']:.1f} | {v['weight_gb_s']:.2f} | "
+                   f"{v['throughput_tok_s']:.1f} | {v['weight_bytes'] / 2**20:.1f} |")
+    for v in res["variants"]:
+        if "skipped" in v:
+            out.append(f"\n{v['name']}: skipped ({v['skipped']})")
+    if res.get("targets"):
+        out += ["", "| target | value | goal | met |", "|---|---|---|---|"]
+        out += [f"| {t['target']} | {t['value']:.3f} | {t['goal']} | {'yes' if t['met'] else 'no'} |" for t in res["targets"]]
+    out += ["", f"{e['cpu']} ({e['cpu_count']} CPUs, {e['torch_threads']} torch threads), GPU {e['gpu']}, torch {e['torch']}, "
+                f"CUDA {e['cuda']}, python {e['python']}, lqe {e['lqe_commit']}; model `{res['model']}`; matrix run "
+                f"{res['seconds']:.0f} s.", ""]
+    return "\n".join(out)
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    by = {v["name"]: v["ppl"] for v in rows if "ppl" in v}
+    out = []
+    def closed(method: str, base: str, goal: float, label: str) -> None:
+        if {"float", method, base} <= by.keys() and by[base] != by["float"]:
+            f = (by[base] - by[method]) / (by[base] - by["float"])
+            out.append({"target": label, "value": f, "goal": f">= {goal}", "met": f >= goal})
+    closed("gptq-w4g128-sym", "rtn-w4g128-sym", 0.5, "GPTQ W4 g128 sym: fraction of RTN sym gap closed")
+    closed("gptq-w4g128-asym-actorder", "rtn-w4g128-asym", 0.5, "GPTQ W4 g128 asym act-order: fraction of RTN asym gap closed")
+    closed("awq-w4g64", "rtn-w4g64-asym", 0.4, "AWQ W4 g64: fraction of RTN W4 g64 asym gap closed")
+    if {"float", "w8a8-smoothquant"} <= by.keys():
+        r = by["w8a8-smoothquant"] / by["float"] - 1
+        out.append({"target": "W8A8 SmoothQuant: ppl increase over float", "value": r, "goal": "<= 0.02", "met": r <= 0.02})
+    return out
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [v for v in res["variants"] if "ppl" in v]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for v in rows:
+        ax.scatter(v["throughput_tok_s"], v["ppl"], s=30)
+        ax.annotate(v["name"], (v["throughput_tok_s"], v["ppl"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("throughput, output tokens/s")
+    ax.set_ylabel(f"perplexity ({res['settings']['windows']} x {res['settings']['seq_len']} tokens)")
+    ax.set_title(f"{res['model']} on {res['device']}")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--variants", default=None, help=f"comma-separated; default: {','.join(default_variants())}")
+    p.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for <model>-<device>.json/.md/.png")
+    p.add_argument("--dataset", default=None, help="text file (default ../shared/data/wikitext2-test.raw)")
+    p.add_argument("--max-windows", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--cache", default=None, help="converted checkpoints (default $LQE_CACHE_DIR/bench/<model>)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--calib", default=None)
+    p.add_argument("--calib-samples", type=int, default=16)
+    p.add_argument("--calib-seq-len", type=int, default=256)
+    p.add_argument("--latency-prompt-len", type=int, default=32)
+    p.add_argument("--latency-gen-len", type=int, default=32)
+    p.add_argument("--tp-prompts", type=int, default=8)
+    p.add_argument("--tp-input-len", type=int, nargs=2, default=[32, 96])
+    p.add_argument("--tp-output-len", type=int, nargs=2, default=[32, 64])
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    from lqe.eval import DEFAULT_DATASET, load_windows
+    from lqe.loaders.model_source import cache_dir, resolve_model
+    from transformers import AutoTokenizer
+
+    t0 = time.perf_counter()
+    torch.manual_seed(args.seed)
+    model_dir = resolve_model(args.model)
+    name = model_name(args.model, model_dir)
+    args.cache = args.cache or os.path.join(cache_dir(), "bench", name)
+    args.dataset = args.dataset or DEFAULT_DATASET
+    names = [v for v in (args.variants.split(",") if args.variants else default_variants()) if v]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    names = ["float"] + [v for v in names if v != "float"]  # float first: it is everyone's reference
+    windows = load_windows(AutoTokenizer.from_pretrained(model_dir), args.dataset, args.seq_len, args.max_windows)
+    settings = {k: getattr(args, k) for k in ("dataset", "seq_len", "seed", "calib", "calib_samples", "calib_seq_len",
+                                              "latency_prompt_len", "latency_gen_len", "tp_prompts", "tp_input_len",
+                                              "tp_output_len", "dtype")}
+    settings.update(windows=len(windows), tokens=sum(len(w) - 1 for w in windows))
+    res = {"model": name, "model_dir": model_dir, "device": device_name(), "env": env_info(), "settings": settings,
+           "variants": [], "targets": [], "seconds": 0.0}
+    os.makedirs(args.out, exist_ok=True)
+    base = os.path.join(args.out, f"{name}-{res['device']}")
+    ref: list[torch.Tensor] = []
+    for v in names:
+        spec = VARIANTS[v]
+        meta = {"name": v, "format": spec[1] if spec else "float", "bits": spec[2] if spec else None,
+                "group_size": spec[3] if spec else None, "method": spec[0] if spec else None,
+                "seq_len": args.seq_len, "windows": len(windows), "seed": args.seed}
+        try:
+            ckpt, conv_s, cmd = build_variant(v, model_dir, args)
+        except RuntimeError as e:
+            print(f"{v}: skipped: {e}", file=sys.stderr)
+            res["variants"].append({**meta, "skipped": str(e).splitlines()[0]})
+            continue
+        row = {**meta, "convert_s": conv_s, "convert_cmd": " ".join(cmd[1:]) if cmd else None,
+               **measure_variant(v, ckpt, windows, ref, args)}
+        if row["bits"] is None:
+            row["bits"] = {"float32": 32, "bfloat16": 16, "float16": 16}[row["dtype"]]
+        res["variants"].append(row)
+        print(f"{v:28s} ppl {row['ppl']:8.3f}  kl {row['kl']:.4f}  top1 {row['top1_agree']:.3f}  decode "
+              f"{row['decode_tok_s']:6.1f} tok/s  throughput {row['throughput_tok_s']:6.1f} tok/s", flush=True)
+        res["targets"], res["seconds"] = targets(res["variants"]), time.perf_counter() - t0
+        write_outputs(res, base)
+    res["seconds"] = time.perf_counter() - t0
+    write_outputs(res, base)
+    print(f"wrote {base}.json/.md/.png in {res['seconds']:.0f} s")
+    return res
+
+
+if __name__ == "__main__":
+    main()

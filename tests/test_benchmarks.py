@@ -1,0 +1,126 @@
+"""Smoke tests of the accuracy, latency and accuracy-vs-throughput benchmarks on a tiny model, and the perplexity
+and full-distribution scoring of lqe.eval against HF transformers."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+from helpers import hf_logprobs
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+TEXT = ("The tower is 324 metres tall, about the same height as an 81-storey building.\n"
+        "It was the first structure to reach a height of 300 metres.\n") * 12
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("text") / "text.txt"
+    path.write_text(TEXT)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def eval_llm(tiny_llama_dir):
+    from lqe import LLM
+
+    return LLM(tiny_llama_dir, kv_cache_memory_bytes=32 << 20, max_model_len=256, max_num_batched_tokens=40)
+
+
+def test_windows_follow_the_protocol(eval_llm, text_file):
+    from lqe.eval import load_windows, make_windows
+
+    tok = eval_llm.get_tokenizer()
+    ids = tok("\n\n".join(TEXT.splitlines()))["input_ids"]
+    ws = load_windows(tok, text_file, 48, None)
+    assert len(ws) == len(ids) // 48 and all(len(w) == 48 for w in ws)
+    assert sum(ws, []) == ids[:48 * len(ws)]
+    assert len(load_windows(tok, text_file, 48, 2)) == 2
+    with pytest.raises(ValueError, match="fewer than one window"):
+        make_windows([1, 2, 3], 8)
+
+
+def test_perplexity_matches_hand_computed_hf(eval_llm, tiny_llama_dir, text_file):
+    """exp(mean NLL) from the engine's prompt_logprobs equals the value computed independently from HF logits;
+    the full distributions of lqe.eval.window_logprobs (prefilled in chunks of 40 tokens) match HF's too."""
+    from lqe.eval import compare, load_windows, perplexity, window_logprobs
+
+    ws = load_windows(eval_llm.get_tokenizer(), text_file, 96, 2)
+    nll, n = 0.0, 0
+    for w in ws:
+        lp = hf_logprobs(tiny_llama_dir, w)
+        nll -= sum(float(lp[p - 1, w[p]]) for p in range(1, len(w)))
+        n += len(w) - 1
+    expected = math.exp(nll / n)
+    r = perplexity(eval_llm, ws)
+    assert (r.tokens, r.windows) == (n, 2)
+    assert r.ppl == pytest.approx(expected, rel=1e-4)
+    full = window_logprobs(eval_llm.llm_engine, ws[0])
+    assert full.shape == (96, eval_llm.llm_engine.model_config.vocab_size)
+    torch.testing.assert_close(full, hf_logprobs(tiny_llama_dir, ws[0]), atol=2e-4, rtol=1e-4)
+    assert eval_llm.llm_engine.block_manager.num_free_blocks == eval_llm.llm_engine.block_manager.num_blocks
+    c = compare(eval_llm.llm_engine, eval_llm.llm_engine, ws)
+    assert c.ppl == pytest.approx(r.ppl, rel=1e-6) and c.kl == pytest.approx(0.0, abs=1e-9) and c.top1_agree == 1.0
+
+
+def test_accuracy_script(tiny_llama_dir, text_file, tmp_path):
+    import accuracy
+
+    out = tmp_path / "acc.json"
+    res = accuracy.main(["--model", tiny_llama_dir, "--dataset", text_file, "--seq-len", "64", "--max-windows", "2",
+                         "--hf-check", "--reference", tiny_llama_dir, "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["windows"] == 2 and data["tokens"] == 2 * 63 and data["seq_len"] == 64
+    assert isinstance(data["ppl"], float) and data["ppl"] > 1
+    assert data["hf_match_4_significant"] and data["hf_rel_diff"] < 1e-4
+    assert data["kl"] == pytest.approx(0.0, abs=1e-9) and data["top1_agree"] == 1.0
+    assert data["env"]["torch"] == torch.__version__ and res["ppl"] == data["ppl"]
+
+
+def test_latency_script(tiny_llama_dir, tmp_path):
+    import latency
+
+    out = tmp_path / "lat.json"
+    latency.main(["--model", tiny_llama_dir, "--batch-sizes", "1,3", "--prompt-len", "8", "--gen-len", "5",
+                  "--reps", "1", "--json", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert [r["batch_size"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["ttft_s"] > 0 and r["decode_tok_s"] > 0 and r["weight_gb_s"] > 0 and r["weight_bytes"] > 0
+
+
+def test_accuracy_vs_throughput_script(tiny_llama_dir, text_file, tmp_path):
+    import accuracy_vs_throughput as avt
+
+    args = ["--model", tiny_llama_dir, "--variants", "float,rtn-w4g64-asym", "--out", str(tmp_path / "res"),
+            "--dataset", text_file, "--max-windows", "2", "--seq-len", "64", "--cache", str(tmp_path / "cache"),
+            "--tp-prompts", "2", "--tp-input-len", "8", "16", "--tp-output-len", "4", "8",
+            "--latency-prompt-len", "8", "--latency-gen-len", "4"]
+    avt.main(args)
+    base = tmp_path / "res" / f"{os.path.basename(tiny_llama_dir)}-{avt.device_name()}"
+    data = json.loads(base.with_suffix(".json").read_text())
+    assert data["model"] == os.path.basename(tiny_llama_dir)
+    assert {"torch", "cuda", "lqe_commit", "cpu"} <= data["env"].keys()
+    assert data["settings"]["windows"] == 2 and data["settings"]["seq_len"] == 64
+    names = [v["name"] for v in data["variants"]]
+    assert names == ["float", "rtn-w4g64-asym"]
+    for v in data["variants"]:
+        for k in ("name", "format", "bits", "ppl", "kl", "top1_agree", "decode_tok_s",
+                  "throughput_tok_s", "weight_bytes"):
+            assert v[k] is not None, k
+    fl, q = data["variants"]
+    assert fl["kl"] == pytest.approx(0.0, abs=1e-9) and fl["top1_agree"] == 1.0
+    assert fl["group_size"] is None and q["format"] == "gptq" and q["bits"] == 4 and q["group_size"] == 64 and q["kl"] > 0
+    assert q["weight_bytes"] < fl["weight_bytes"]
+    assert os.path.getsize(base.with_suffix(".png")) > 1000
+    assert "| rtn-w4g64-asym |" in base.with_suffix(".md").read_text()
+    # the cached checkpoint is reused when the convert command is the same
+    ns = avt.argparse.Namespace(cache=str(tmp_path / "cache"), calib=None, calib_samples=16, calib_seq_len=256, seed=0)
+    ckpt, convert_s, cmd = avt.build_variant("rtn-w4g64-asym", tiny_llama_dir, ns)
+    assert convert_s is None and ckpt == str(tmp_path / "cache" / "rtn-w4g64-asym") and "--asym" in cmd
