@@ -65,6 +65,9 @@ def _with_reason(desc: str, why: str) -> str:
     return desc[:-1] + f"; {why})" if desc.endswith(")") else f"{desc} ({why})"
 
 
+GROUPED_MAX_ROWS = 16  # up to this many tokens the grouped formulation beats dequantize-then-matmul on CPU
+
+
 class DequantMatmul(nn.Module):
     """Keeps uint8 codes ``[K, N]``; each call dequantizes column blocks and multiplies (any bits, group size,
     act-order, zero points)."""
@@ -77,6 +80,7 @@ class DequantMatmul(nn.Module):
         k, n = cw.shape
         g = k if cw.group_size == -1 else cw.group_size
         self.uniform = cw.g_idx is None and k % g == 0
+        self.ordered = cw.g_idx is None  # groups are consecutive rows (the last one may be short)
         self.group = g
         self.register_buffer("codes", cw.codes.contiguous())
         self.register_buffer("scales", cw.scales.to(act_dtype).contiguous())
@@ -99,10 +103,36 @@ class DequantMatmul(nn.Module):
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         k, n = self.codes.shape
         x = x.to(self.scales.dtype)
+        if self.ordered and x.dim() == 2 and x.shape[0] <= GROUPED_MAX_ROWS:
+            out = self._grouped(x)
+            return out if bias is None else out + bias
         step = max(64, (CHUNK_ELEMS // max(k, 1)) // 64 * 64)
         outs = [x @ self.dequant(n0, min(n, n0 + step)) for n0 in range(0, n, step)]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return out if bias is None else out + bias
+
+    def _grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """Few rows (decode): ``sum_g s_g * (x_g @ q_g - sum(x_g) * z_g)`` with one batched matmul over the
+        groups, so the only full-size temporary is the float copy of the codes (3x less memory traffic than
+        dequantizing first). A short last group is handled on its own."""
+        k, n = self.codes.shape
+        m, g = x.shape[0], self.group
+        full = (k // g) * g
+        out = torch.zeros(m, n, dtype=x.dtype, device=x.device)
+        for r0, r1, g0 in ((0, full, 0), (full, k, k // g)):
+            if r1 <= r0:
+                continue
+            size = min(g, r1 - r0)
+            ng = (r1 - r0) // size
+            xg = x[:, r0:r1].reshape(m, ng, size).transpose(0, 1)  # [G, M, g]
+            part = torch.bmm(xg, self.codes[r0:r1].to(x.dtype).view(ng, size, n))  # [G, M, N]
+            scales = self.scales[g0:g0 + ng, None, :]
+            if self.zeros is None:
+                part -= xg.sum(-1, keepdim=True) * self.sym_zero
+            else:
+                part -= xg.sum(-1, keepdim=True) * self.zeros[g0:g0 + ng, None, :]
+            out += (part * scales).sum(0)
+        return out
 
     def describe(self) -> str:
         return _with_reason(f"{self.name} ({self.codes.device.type})", self.why)
