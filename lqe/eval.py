@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lqe.engine.forward_context import AttentionMetadata, ForwardContext, set_forward_context
-from lqe.engine.scheduler import ScheduledSeq
+from lqe.engine.scheduler import ScheduledSeq, SchedulerOutput
 from lqe.engine.sequence import Sequence
 from lqe.sampling_params import SamplingParams
 
@@ -94,29 +93,12 @@ def window_logprobs(engine, token_ids: list[int]) -> torch.Tensor:
         chunk = engine.config.max_num_batched_tokens
         parts = []
         for start in range(0, L, chunk):
-            hidden = _forward_chunk(runner, ScheduledSeq(seq, start, min(chunk, L - start)))
+            hidden, _ = runner.forward(SchedulerOutput([ScheduledSeq(seq, start, min(chunk, L - start))]))
             for r in range(0, hidden.shape[0], 512):  # bound the [rows, vocab] temporaries
                 parts.append(runner.model.compute_logits(hidden[r:r + 512]).float().log_softmax(-1).cpu())
         return torch.cat(parts)
     finally:
         bm.free_seq(seq)
-
-
-def _forward_chunk(runner, s: ScheduledSeq) -> torch.Tensor:
-    """The ModelRunner's input preparation for one scheduled chunk, then the model forward; returns hidden."""
-    seq, start, n, bs, dev = s.seq, s.start, s.num_new_tokens, runner.block_size, runner.device
-    bt = seq.block_table
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor([bt[p // bs] * bs + p % bs for p in range(start, start + n)], dtype=torch.long,
-                                  device=dev),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor([start + n], dtype=torch.int32, device=dev),
-        block_tables=torch.tensor([bt], dtype=torch.int32, device=dev),
-        max_query_len=n, max_seq_len=start + n, query_start_loc_cpu=[0, n], seq_lens_cpu=[start + n], block_size=bs)
-    ids = torch.tensor(seq.all_token_ids[start:start + n], dtype=torch.long, device=dev)
-    pos = torch.arange(start, start + n, dtype=torch.long, device=dev)
-    with set_forward_context(ForwardContext(meta, list(runner.kv_cache.unbind(0)))):
-        return runner.model(ids, pos)
 
 
 @dataclass(slots=True)

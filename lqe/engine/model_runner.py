@@ -94,8 +94,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
 
     # -- one step -------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, sampling: SamplingBatch | None) -> StepResult:
+    def prepare_inputs(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flattened token ids, positions and attention metadata of a scheduled step."""
         input_ids, positions, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
         bs = self.block_size
         for s in sched.scheduled:
@@ -117,10 +117,21 @@ class ModelRunner:
             max_query_len=max(s.num_new_tokens for s in sched.scheduled),
             max_seq_len=max(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, block_size=bs,
         )
-        kv_caches = list(self.kv_cache.unbind(0))
-        with set_forward_context(ForwardContext(meta, kv_caches)):
-            hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
-                                torch.tensor(positions, dtype=torch.long, device=dev))
+        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev), meta)
+
+    @torch.inference_mode()
+    def forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+        """Run the model on a scheduled step (K/V land in the cache); returns hidden states ``[T, hidden]``
+        and the host copy of ``query_start_loc``."""
+        input_ids, positions, meta = self.prepare_inputs(sched)
+        with set_forward_context(ForwardContext(meta, list(self.kv_cache.unbind(0)))):
+            hidden = self.model(input_ids, positions)
+        return hidden, meta.query_start_loc_cpu
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, sampling: SamplingBatch | None) -> StepResult:
+        hidden, qsl = self.forward(sched)
         sample_rows = [qsl[i + 1] - 1 for i, s in enumerate(sched.scheduled) if s.samples]
         sampled = None
         if sample_rows:

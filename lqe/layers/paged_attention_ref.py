@@ -34,7 +34,6 @@ def paged_attention_ref(
     query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """Causal attention of ``query`` ``[T, H, D]`` over each sequence's cached K/V (already stored)."""
-    num_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
     out = torch.empty_like(query)
     qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     decode = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] == 1]
