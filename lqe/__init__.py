@@ -1,9 +1,13 @@
 """lqe: an inference engine for quantized LLMs (GPTQ, AWQ, W8A8) on a paged-attention continuous-batching engine."""
-from lqe.config import EngineConfig
-from lqe.engine.llm_engine import LLMEngine
-from lqe.llm import LLM
-from lqe.outputs import CompletionOutput, RequestOutput
-from lqe.sampling_params import SamplingParams
+from lqe.logger import init_logger
+
+init_logger()
+
+from lqe.config import EngineConfig  # noqa: E402
+from lqe.engine.llm_engine import LLMEngine  # noqa: E402
+from lqe.llm import LLM  # noqa: E402
+from lqe.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from lqe.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

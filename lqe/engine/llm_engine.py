@@ -77,7 +77,7 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         logger.info(
-            "lqe: %s on %s (%s), %s, weights %.1f MiB, KV cache %d blocks x %d tokens (%.1f MiB), attention %s, "
+            "%s on %s (%s), %s, weights %.1f MiB, KV cache %d blocks x %d tokens (%.1f MiB), attention %s, "
             "loaded in %.1fs", self.model_dir, self.device, str(self.dtype).removeprefix("torch."),
             self.quant_description(), self.runner.weight_bytes() / 2**20, self.runner.num_blocks, config.block_size,
             self.runner.kv_cache.numel() * self.runner.kv_cache.element_size() / 2**20, self.runner.attention_backend,

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_args(s)
     s.set_defaults(func=run_server)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    logging.getLogger("lqe").setLevel(logging.INFO if args.verbose else logging.WARNING)
     try:
         rc = args.func(args)
     except (ValueError, FileNotFoundError, TypeError, MemoryError) as e:
