@@ -45,6 +45,21 @@ def test_gptq_beats_rtn(acts, name, sym, act):
     assert _err(x, w, g) < 0.9 * _err(x, w, fake_quant(w, 4, 32, sym))
 
 
+@pytest.mark.parametrize("sym", [True, False])
+def test_gptq_mse_clipping_lowers_error(acts, sym):
+    x, w = acts["mlp.down_proj"]
+    w = w.clone()
+    w[:, ::7] *= 4  # heavy-tailed groups: the full range wastes resolution on a few weights
+    h = HessianAccumulator(w.shape[1])
+    h.add(x)
+    plain = gptq_quantize(w, h.hessian(), 4, 32, sym).dequantize().t()
+    clipped = gptq_quantize(w, h.hessian(), 4, 32, sym, mse=True)
+    assert _err(x, w, clipped.dequantize().t()) < _err(x, w, plain)
+    # the searched ranges are real clipping: some scales are below the full-range ones
+    full = gptq_quantize(w, h.hessian(), 4, 32, sym).scales
+    assert bool((clipped.scales < full - 1e-6).any())
+
+
 def test_awq_beats_rtn(acts):
     x, w = acts["self_attn.q_proj"]
     s, best, base = search_scale(x, x.abs().mean(0), [w], 4, 32, False)

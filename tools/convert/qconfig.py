@@ -14,7 +14,7 @@ def gptq_config(spec: ExportSpec) -> dict[str, Any]:
     return {
         "quant_method": "gptq", "bits": spec.bits, "group_size": spec.group_size, "desc_act": spec.desc_act,
         "sym": spec.sym, "checkpoint_format": fmt, "format": fmt, "pack_dtype": "int32", "lm_head": spec.quantize_lm_head,
-        "true_sequential": spec.true_sequential, "damp_percent": spec.damp_percent, "static_groups": spec.static_groups,
+        "true_sequential": spec.true_sequential, "damp_percent": spec.damp_percent, "static_groups": spec.static_groups, "mse": spec.mse,
         "model_name_or_path": None, "model_file_base_name": None,
         "meta": {"quantizer": [QUANTIZER], "method": spec.method},
     }

@@ -80,7 +80,8 @@ def calibrate(model: torch.nn.Module, input_ids: torch.Tensor | None, method: st
                 for n in group:
                     first = next(g[0] for g in groups if n in g)
                     cw = gptq_quantize(lin[n].weight, acc[first].hessian(), spec.bits, spec.group_size, spec.sym,
-                                       spec.damp_percent, spec.desc_act, spec.static_groups, scale_dtype=sdt)
+                                       spec.damp_percent, spec.desc_act, spec.static_groups, scale_dtype=sdt,
+                                       mse=spec.mse)
                     _set_weight(lin[n], cw)
                     canon[prefix + n] = cw
         else:

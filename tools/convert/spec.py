@@ -32,6 +32,7 @@ class ExportSpec:
     damp_percent: float = 0.01
     true_sequential: bool = True
     static_groups: bool = False
+    mse: bool = False  # GPTQ: per-group clipping search of the quantization range
 
     def resolve_scale_dtype(self) -> torch.dtype:
         if self.scale_dtype is None:
