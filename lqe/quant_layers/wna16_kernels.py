@@ -79,13 +79,21 @@ class DequantMatmul(nn.Module):
         super().__init__()
         k, n = cw.shape
         g = k if cw.group_size == -1 else cw.group_size
-        self.uniform = cw.g_idx is None and k % g == 0
-        self.ordered = cw.g_idx is None  # groups are consecutive rows (the last one may be short)
+        codes, gi, perm = cw.codes, cw.group_index(), None
+        if cw.g_idx is not None:
+            # act-order: sort the rows by group once (and gather x's columns the same way per call), so groups
+            # become consecutive rows whenever every group has g members, as GPTQ's act-order produces
+            order = torch.argsort(gi, stable=True)
+            if torch.equal(gi[order], torch.arange(k, device=gi.device) // g):
+                codes, gi, perm = codes[order], gi[order], order
+        self.ordered = torch.equal(gi, torch.arange(k, device=gi.device) // g)  # consecutive groups, last may be short
+        self.uniform = self.ordered and k % g == 0
         self.group = g
-        self.register_buffer("codes", cw.codes.contiguous())
+        self.register_buffer("perm", perm)
+        self.register_buffer("codes", codes.contiguous())
         self.register_buffer("scales", cw.scales.to(act_dtype).contiguous())
         self.register_buffer("zeros", None if cw.zeros is None else cw.zeros.to(act_dtype).contiguous())
-        self.register_buffer("gi", None if self.uniform else cw.group_index().contiguous())
+        self.register_buffer("gi", None if self.uniform else gi.contiguous())
         self.sym_zero = float(1 << (cw.bits - 1))
 
     def dequant(self, n0: int, n1: int) -> torch.Tensor:
@@ -103,6 +111,8 @@ class DequantMatmul(nn.Module):
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         k, n = self.codes.shape
         x = x.to(self.scales.dtype)
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
         if self.ordered and x.dim() == 2 and x.shape[0] <= GROUPED_MAX_ROWS:
             out = self._grouped(x)
             return out if bias is None else out + bias

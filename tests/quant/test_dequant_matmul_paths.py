@@ -19,3 +19,19 @@ def test_both_formulations_match_dequantized_weight(k, g, sym, bits, m):
     ref = x.double() @ cw.dequantize(torch.float64) + bias.double()
     out = layer(x, bias)
     assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("k, g", [(576, 128), (256, 64)])
+@pytest.mark.parametrize("m", [1, 40])
+def test_act_order_rows_are_sorted_once_and_x_gathered(k, g, m):
+    torch.manual_seed(m)
+    n = 64
+    perm = torch.randperm(k)
+    g_idx = (torch.argsort(perm) // g).to(torch.int32)  # GPTQ act-order: groups formed in a permuted order
+    cw = rtn_quantize(torch.randn(n, k), 4, g, False, g_idx=g_idx)
+    assert cw.has_act_order()
+    layer = DequantMatmul(cw, torch.float32)
+    assert layer.perm is not None and layer.ordered
+    x = torch.randn(m, k)
+    ref = x.double() @ cw.dequantize(torch.float64)
+    assert torch.allclose(layer(x, None).double(), ref, rtol=1e-5, atol=1e-4)
