@@ -164,6 +164,9 @@ def run_server(args: argparse.Namespace) -> None:
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    lqe_logger = logging.getLogger("lqe")
+    lqe_logger.setLevel(args.log_level.upper())
+    lqe_logger.propagate = False  # its own handler already prints; the root handler would print it twice
     engine = build_engine(args)
     api_key = args.api_key or os.environ.get("LQE_API_KEY") or None
     app = create_app(engine, args.served_model_name, api_key)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import warnings
 
@@ -65,7 +64,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     warnings.simplefilter("always")
     try:
         if a.cmd == "export":
