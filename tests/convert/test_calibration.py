@@ -4,7 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lqe.quant_layers import reference as ref
-from tools.convert.awq import search_scale
+from tools.convert.awq import linear_loss, search_scale
 from tools.convert.blocks import BlockRunner, input_hooks
 from tools.convert.calib_data import calibration_ids
 from tools.convert.gptq import HessianAccumulator, gptq_quantize
@@ -62,7 +62,7 @@ def test_gptq_mse_clipping_lowers_error(acts, sym):
 
 def test_awq_beats_rtn(acts):
     x, w = acts["self_attn.q_proj"]
-    s, best, base = search_scale(x, x.abs().mean(0), [w], 4, 32, False)
+    s, best, base = search_scale(linear_loss(x, [w]), x.abs().mean(0), [w], 4, 32, False, duo=False)
     assert base == pytest.approx(_err(x, w, fake_quant(w, 4, 32, False)), rel=1e-4)
     assert best < 0.9 * base
     assert _err(x, w, fake_quant(w * s, 4, 32, False) / s) == pytest.approx(best, rel=1e-4)
@@ -97,3 +97,78 @@ def test_quantize_cli_end_to_end(tiny_llama_dir, tmp_path):
                     + ([] if fmt == "w8a8" else ["--group-size", "32"])) == 0
         assert main(["verify", out]) == 0
     assert torch.isfinite(engine_logprobs(str(tmp_path / "gptq"))).all()
+
+
+@pytest.fixture(scope="module")
+def layer0(tiny_llama_dir, tmp_path_factory):
+    """Tiny Llama (outlier channels in layer 0's input norm), its calibration runner and layer 0."""
+    path = tmp_path_factory.mktemp("calib0") / "calib.txt"
+    path.write_text(TEXT)
+    ids = calibration_ids(tiny_llama_dir, str(path), 8, 64, seed=0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval().requires_grad_(False)
+    model.model.layers[0].input_layernorm.weight[:4] *= 20
+    return model, BlockRunner(model, ids, 4)
+
+
+def test_stop_at_sees_the_same_inputs(layer0):
+    """A forward abandoned at o_proj gives o_proj the same inputs as a whole forward, and never reaches the MLP."""
+    model, runner = layer0
+    layer = model.model.layers[0]
+    whole, cut, mlp = [], [], []
+    with input_hooks(layer, ["self_attn.o_proj"], lambda n, x: whole.append(x)):
+        runner.run(layer)
+    with input_hooks(layer, ["self_attn.o_proj", "mlp.gate_proj"], lambda n, x: (cut if "o_proj" in n else mlp).append(x)):
+        runner.run(layer, stop_at=layer.self_attn.o_proj)
+    assert len(whole) == len(cut) == len(runner.inputs) and not mlp
+    assert all(torch.equal(a, b) for a, b in zip(whole, cut))
+    with pytest.raises(ValueError, match="keep_outputs"):
+        runner.run(layer, keep_outputs=True, stop_at=layer.self_attn.o_proj)
+
+
+def test_slice_batch_cuts_batch_tensors_only():
+    from tools.convert.quantize import _slice_batch
+
+    mask, pos, cache = torch.zeros(4, 1, 8, 8), (torch.ones(1, 8, 2), torch.ones(4, 8, 2)), torch.arange(4)
+    out = _slice_batch({"attention_mask": mask, "position_embeddings": pos, "cache_position": cache, "x": None}, 2, 4)
+    assert out["attention_mask"].shape[0] == 2 and out["position_embeddings"][0].shape[0] == 1
+    assert out["position_embeddings"][1].shape[0] == 2 and out["cache_position"].shape[0] == 4 and out["x"] is None
+
+
+@pytest.mark.parametrize("duo", [False, True])
+def test_awq_module_loss_beats_rtn_on_the_layer_output(layer0, duo):
+    """AWQ's scales (searched on the attention / MLP outputs) lower the decoder layer's output error against the
+    float layer, compared with RTN of the same weights; the folded float layer computes the same function."""
+    import copy
+
+    from tools.convert.awq import AWQ_MAPPINGS, awq_layer
+    from tools.convert.quantize import _slice_batch
+
+    model, runner = layer0
+    ref = copy.deepcopy(model.model.layers[0])
+    firsts = [m[1][0] for m in AWQ_MAPPINGS]
+    xs = {n: [] for n in firsts}
+    with input_hooks(ref, firsts, lambda n, x: xs[n].append(x.float())):
+        runner.run(ref)
+    kws = [_slice_batch(kw, x.shape[0], x.shape[0]) for kw, x in zip(runner.kwargs, runner.inputs)]
+    means = {n: torch.cat([x.reshape(-1, x.shape[-1]) for x in v]).abs().mean(0) for n, v in xs.items()}
+
+    def out(layer):
+        ys = [layer(x, **kw) for x, kw in zip(runner.inputs, runner.kwargs)]
+        return torch.cat([y[0] if isinstance(y, tuple) else y for y in ys])
+
+    def quantize_all(layer):
+        for m in layer.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.copy_(fake_quant(m.weight, 4, 32, False))
+        return layer
+
+    with torch.no_grad():
+        want = out(ref)
+        awq = copy.deepcopy(ref)
+        report = awq_layer(awq, xs, kws, means, 4, 32, False, duo=duo)
+        # v_proj -> o_proj cannot fold under grouped-query attention (the tiny model has 2 KV heads for 4)
+        assert set(report) == set(firsts) - {"self_attn.o_proj"} and all(0 < r <= 1 for r in report.values())
+        assert torch.allclose(out(awq), want, rtol=1e-4, atol=1e-3)  # scales folded: same float function
+        rtn_err = float(((out(quantize_all(copy.deepcopy(ref))) - want) ** 2).mean())
+        awq_err = float(((out(quantize_all(awq)) - want) ** 2).mean())
+    assert awq_err < 0.8 * rtn_err

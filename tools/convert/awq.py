@@ -1,39 +1,92 @@
 """AWQ (Lin et al. 2023), written from the paper: for each group of linears sharing an input, search a
-per-input-channel scale ``s = mean|x|^alpha`` (normalized) over a grid of ``alpha`` that minimizes the output
-error of the RTN-quantized ``W * s`` applied to ``x / s``; fold ``1/s`` into the previous op (the RMSNorm weight,
-or the previous linear's output rows), keep ``W * s``. Optional clipping search (``--awq-clip``): shrink each
-group's range by a ratio that minimizes that group's output error."""
+per-input-channel scale ``s`` over a grid of exponents ``alpha`` that minimizes the error of the block those
+linears feed when they hold the RTN-quantized ``W * s`` applied to ``x / s``; fold ``1/s`` into the previous op
+(the RMSNorm weight, or the previous linear's output rows), keep ``W * s``.
+
+The error is measured on the output of the module the linears belong to (the whole attention for q/k/v, the
+whole MLP for gate/up, the linear itself for o_proj and down_proj), so an error that attention or the SiLU gate
+damps counts less than one they amplify. ``s = mean|x|^alpha`` (the paper's form) or, with ``duo``,
+``mean|x|^alpha / mean|w~|^(1-alpha)`` where ``w~`` is the weight normalized by its group's max (the form
+AutoAWQ searches by default). ``s = 1`` (plain RTN) is always a candidate, so the search never makes the
+calibration error worse. Optional clipping search (``--awq-clip``): shrink each group's range by the ratio that
+minimizes that group's output error."""
 from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
 from tools.convert.rtn import fake_quant
 
-# (previous op, linears reading its output) in a Llama/Qwen decoder layer
-AWQ_MAPPINGS = (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-                ("self_attn.v_proj", ("self_attn.o_proj",)),
-                ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
-                ("mlp.up_proj", ("mlp.down_proj",)))
+# (previous op, linears reading its output, module whose output the loss compares) in a Llama/Qwen decoder layer
+AWQ_MAPPINGS = (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
+                ("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"),
+                ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
+                ("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"))
 NO_CLIP = ("q_proj", "k_proj")  # attention logits are sensitive to clipping (as AutoAWQ does)
 
-
-def output_error(x: torch.Tensor, weights: list[torch.Tensor], quantized: list[torch.Tensor]) -> float:
-    return float(sum(((x @ (q - w).t()) ** 2).mean() for w, q in zip(weights, quantized)))
+Loss = Callable[[list[torch.Tensor]], float]
 
 
-def search_scale(x: torch.Tensor, x_mean: torch.Tensor, weights: list[torch.Tensor], bits: int, group_size: int,
-                 sym: bool, grid: int = 20, scale_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, float, float]:
-    """``(s [K], best error, error at s = 1)`` for inputs ``x [T, K]`` and torch-layout weights ``[N_i, K]``."""
-    best_s, best, base = torch.ones_like(x_mean), float("inf"), float("inf")
+def linear_loss(x: torch.Tensor, weights: list[torch.Tensor]) -> Loss:
+    """Error of the linears themselves: ``sum_i mean (x (Q_i - W_i)^T)^2`` for inputs ``x [T, K]``."""
+    def loss(quantized: list[torch.Tensor]) -> float:
+        return float(sum(((x @ (q - w).t()) ** 2).mean() for w, q in zip(weights, quantized)))
+    return loss
+
+
+@contextmanager
+def swapped_weights(linears: list[nn.Linear], weights: list[torch.Tensor]) -> Iterator[None]:
+    saved = [lin.weight.data for lin in linears]
+    try:
+        for lin, w in zip(linears, weights):
+            lin.weight.data = w.to(lin.weight.dtype)
+        yield
+    finally:
+        for lin, w in zip(linears, saved):
+            lin.weight.data = w
+
+
+def module_loss(run: Callable[[int], torch.Tensor], n_batches: int, linears: list[nn.Linear]) -> Loss:
+    """Mean squared error of ``run(batch)`` (a module's output) with the linears' weights swapped for the
+    candidates, against the output with the current (float) weights."""
+    with torch.no_grad():
+        ref = [run(b).float() for b in range(n_batches)]
+
+    def loss(quantized: list[torch.Tensor]) -> float:
+        with torch.no_grad(), swapped_weights(linears, quantized):
+            sq = sum(float(((run(b).float() - r) ** 2).sum()) for b, r in enumerate(ref))
+        return sq / sum(r.numel() for r in ref)
+    return loss
+
+
+def weight_mean(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
+    """Per input channel mean of ``|w| / max |w| of its (row, group)`` over the rows of all ``weights``."""
+    w = torch.cat([x.float() for x in weights])
+    n, k = w.shape
+    g = k if group_size == -1 or k % group_size else group_size
+    a = w.abs().reshape(n, k // g, g)
+    a = a / a.amax(-1, keepdim=True).clamp_min(1e-8)
+    return a.reshape(n, k).mean(0)
+
+
+def search_scale(loss: Loss, x_mean: torch.Tensor, weights: list[torch.Tensor], bits: int, group_size: int, sym: bool,
+                 grid: int = 20, scale_dtype: torch.dtype = torch.float16,
+                 duo: bool = False) -> tuple[torch.Tensor, float, float]:
+    """``(s [K], best loss, loss at s = 1)`` for torch-layout weights ``[N_i, K]`` reading inputs whose mean
+    ``|x|`` per channel is ``x_mean``."""
+    base = loss([fake_quant(w, bits, group_size, sym, scale_dtype) for w in weights])
+    best_s, best = torch.ones_like(x_mean, dtype=torch.float32), base
+    x_mean = x_mean.float().clamp(min=1e-4)
+    w_mean = weight_mean(weights, group_size).clamp(min=1e-4) if duo else None
     for i in range(grid):
         alpha = i / grid
-        s = x_mean.pow(alpha).clamp(min=1e-4)
+        s = x_mean.pow(alpha) / w_mean.pow(1 - alpha) if duo else x_mean.pow(alpha)
+        s = s.clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
-        q = [fake_quant(w * s, bits, group_size, sym, scale_dtype) / s for w in weights]
-        err = output_error(x, weights, q)
-        if i == 0:
-            base = err
+        err = loss([fake_quant(w * s, bits, group_size, sym, scale_dtype) / s for w in weights])
         if err < best:
             best, best_s = err, s
     return best_s, best, base
@@ -78,28 +131,42 @@ def search_clip(x: torch.Tensor, weight: torch.Tensor, bits: int, group_size: in
     return best.reshape(n, k).to(weight.dtype)
 
 
-def awq_layer(layer: nn.Module, inputs: dict[str, torch.Tensor], means: dict[str, torch.Tensor], bits: int,
-              group_size: int, sym: bool, clip: bool = False, scale_dtype: torch.dtype = torch.float16) -> dict[str, float]:
-    """Scale-search and fold every mapping of one decoder layer in place; returns the error reduction per group.
+def awq_layer(layer: nn.Module, inputs: dict[str, list[torch.Tensor]], layer_kwargs: list[dict],
+              means: dict[str, torch.Tensor], bits: int, group_size: int, sym: bool, clip: bool = False,
+              scale_dtype: torch.dtype = torch.float16, duo: bool = True, grid: int = 20) -> dict[str, float]:
+    """Scale-search and fold every mapping of one decoder layer in place; returns loss(best s) / loss(s = 1) per
+    mapping.
 
-    ``inputs[name]`` is a token sample ``[T, K]`` of the first linear of each mapping, ``means[name]`` its mean |x|
-    over all calibration tokens."""
+    ``inputs[name]`` are calibration batches ``[B, T, K]`` of the first linear of each mapping (whole sequences:
+    attention needs them), ``layer_kwargs[b]`` the keyword arguments the decoder layer got with batch ``b``
+    (mask, rotary embeddings), ``means[name]`` the mean ``|x|`` per channel over all calibration tokens."""
     mods = dict(layer.named_modules())
     report = {}
-    for prev_name, names in AWQ_MAPPINGS:
+    for prev_name, names, inspect in AWQ_MAPPINGS:
         if prev_name not in mods or not all(n in mods for n in names) or names[0] not in inputs:
             continue
         prev, lins = mods[prev_name], [mods[n] for n in names]
         if isinstance(prev, nn.Linear) and prev.out_features != lins[0].in_features:
             continue  # e.g. v_proj -> o_proj under grouped-query attention: shapes differ, no fold
-        x = inputs[names[0]].float()
-        s, best, base = search_scale(x, means[names[0]].float(), [m.weight.float() for m in lins], bits, group_size,
-                                     sym, scale_dtype=scale_dtype)
+        xs = [x.float() for x in inputs[names[0]]]
+        module = mods.get(inspect, lins[0])
+        if inspect == "self_attn":
+            def run(b, xs=xs, module=module):
+                out = module(hidden_states=xs[b], **layer_kwargs[b])
+                return out[0] if isinstance(out, tuple) else out
+        else:
+            def run(b, xs=xs, module=module):
+                return module(xs[b])
+        loss = module_loss(run, len(xs), lins) if inspect in mods else linear_loss(
+            torch.cat([x.reshape(-1, x.shape[-1]) for x in xs]), [m.weight.float() for m in lins])
+        s, best, base = search_scale(loss, means[names[0]], [m.weight.float() for m in lins], bits, group_size,
+                                     sym, grid, scale_dtype, duo)
         fold_scale(prev, lins, s)
         report[names[0]] = best / base if base > 0 else 1.0
         if clip:
+            flat = torch.cat([x.reshape(-1, x.shape[-1]) for x in xs]) / s
             for name, lin in zip(names, lins):
                 if not name.endswith(NO_CLIP):
                     with torch.no_grad():
-                        lin.weight.copy_(search_clip(x / s, lin.weight, bits, group_size, sym, scale_dtype=scale_dtype))
+                        lin.weight.copy_(search_clip(flat, lin.weight, bits, group_size, sym, scale_dtype=scale_dtype))
     return report

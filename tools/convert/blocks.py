@@ -19,6 +19,10 @@ class _Stop(Exception):
     pass
 
 
+def _raise_stop(module, args):
+    raise _Stop
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     inner = getattr(model, "model", model)
     layers = getattr(inner, "layers", None)
@@ -60,13 +64,26 @@ class BlockRunner:
         finally:
             handle.remove()
 
-    def run(self, layer: nn.Module, keep_outputs: bool = False) -> list[torch.Tensor] | None:
+    def run(self, layer: nn.Module, keep_outputs: bool = False,
+            stop_at: nn.Module | None = None) -> list[torch.Tensor] | None:
+        """Run ``layer`` on every stored batch; with ``stop_at``, abandon each forward once that submodule's input
+        is known (hooks registered before this call still see it): what comes after is not needed."""
+        if keep_outputs and stop_at is not None:
+            raise ValueError("keep_outputs needs the whole forward; drop stop_at")
         outs = []
-        with torch.no_grad():
-            for x, kw in zip(self.inputs, self.kwargs):
-                y = layer(x, **kw)
-                if keep_outputs:
-                    outs.append(y[0] if isinstance(y, tuple) else y)
+        handle = stop_at.register_forward_pre_hook(_raise_stop) if stop_at is not None else None
+        try:
+            with torch.no_grad():
+                for x, kw in zip(self.inputs, self.kwargs):
+                    try:
+                        y = layer(x, **kw)
+                    except _Stop:
+                        continue
+                    if keep_outputs:
+                        outs.append(y[0] if isinstance(y, tuple) else y)
+        finally:
+            if handle is not None:
+                handle.remove()
         return outs if keep_outputs else None
 
     def advance(self, layer: nn.Module) -> None:

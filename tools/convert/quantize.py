@@ -12,7 +12,7 @@ from tqdm import tqdm
 from lqe.quant_layers.canonical import CanonicalWeight
 from tools.convert import writer
 from tools.convert.awq import AWQ_MAPPINGS, awq_layer
-from tools.convert.blocks import BlockRunner, decoder_layers, input_hooks, linear_groups
+from tools.convert.blocks import SEQUENTIAL, BlockRunner, decoder_layers, input_hooks, linear_groups
 from tools.convert.calib_data import calibration_ids
 from tools.convert.export import ExportReport, linear_names, write_checkpoint
 from tools.convert.gptq import HessianAccumulator, gptq_quantize
@@ -22,7 +22,6 @@ from tools.convert.spec import ConvertError, ExportSpec
 
 logger = logging.getLogger("lqe.convert")
 METHODS = ("rtn", "gptq", "awq", "smoothquant")
-AWQ_SAMPLE_TOKENS = 2048  # tokens kept per mapping for the AWQ loss (the mean |x| uses all of them)
 
 
 @dataclass(slots=True)
@@ -34,6 +33,8 @@ class CalibOptions:
     alpha: float = 0.5
     awq_clip: bool = False
     batch_size: int = 8
+    awq_duo: bool = True  # AWQ: s = mean|x|^a / mean|w~|^(1-a) (False: the paper's mean|x|^a)
+    awq_tokens: int = 2048  # AWQ: calibration tokens (whole sequences) on which each scale's loss is measured
 
 
 @dataclass(slots=True)
@@ -46,6 +47,27 @@ class QuantizeResult:
 def _set_weight(module: torch.nn.Module, cw: CanonicalWeight) -> None:
     with torch.no_grad():
         module.weight.copy_(cw.dequantize().t().to(module.weight.dtype))
+
+
+def _stop_at(layer: torch.nn.Module, names: list[str]) -> torch.nn.Module | None:
+    """The one of ``names`` that runs last in a Llama/Qwen layer (None when one of them is not a known linear, whose
+    place in the forward is unknown: then the whole layer runs)."""
+    order = [n for g in SEQUENTIAL for n in g]
+    if not names or any(n not in order for n in names):
+        return None
+    return layer.get_submodule(max(names, key=order.index))
+
+
+def _slice_batch(obj, m: int, batch: int):
+    """The first ``m`` sequences of a decoder layer's keyword argument (tensors of 2+ dims whose dim 0 is the batch:
+    masks, rotary tables; 1-D ones such as ``cache_position`` run over positions)."""
+    if isinstance(obj, torch.Tensor):
+        return obj[:m] if obj.dim() >= 2 and obj.shape[0] == batch and batch != m else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_slice_batch(o, m, batch) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _slice_batch(v, m, batch) for k, v in obj.items()}
+    return obj
 
 
 @torch.no_grad()
@@ -76,7 +98,7 @@ def calibrate(model: torch.nn.Module, input_ids: torch.Tensor | None, method: st
                 readers = [g[0] for g in groups if set(g) & set(group)] if not spec.true_sequential else [group[0]]
                 acc = {n: HessianAccumulator(lin[n].in_features) for n in readers}
                 with input_hooks(layer, readers, lambda n, x: acc[n].add(x)):
-                    runner.run(layer)
+                    runner.run(layer, stop_at=_stop_at(layer, readers))
                 for n in group:
                     first = next(g[0] for g in groups if n in g)
                     cw = gptq_quantize(lin[n].weight, acc[first].hessian(), spec.bits, spec.group_size, spec.sym,
@@ -87,26 +109,31 @@ def calibrate(model: torch.nn.Module, input_ids: torch.Tensor | None, method: st
         else:
             firsts = [m[1][0] for m in (AWQ_MAPPINGS if method == "awq" else SQ_MAPPINGS)]
             firsts = [n for n in firsts if n in lin]
-            stats: dict[str, list] = {n: [] for n in firsts}
+            loss_x: dict[str, list[torch.Tensor]] = {n: [] for n in firsts}
+            taken = {n: 0 for n in firsts}
             absum = {n: 0.0 for n in firsts}
             count = {n: 0 for n in firsts}
 
             def collect(n: str, x: torch.Tensor) -> None:
-                x = x.reshape(-1, x.shape[-1]).float()
+                flat = x.reshape(-1, x.shape[-1]).float()
                 if method == "awq":
-                    absum[n] = absum[n] + x.abs().sum(0)
-                    count[n] += x.shape[0]
-                    stats[n].append(x[torch.randperm(x.shape[0], generator=gen)[:AWQ_SAMPLE_TOKENS]])
+                    absum[n] = absum[n] + flat.abs().sum(0)
+                    count[n] += flat.shape[0]
+                    if taken[n] < opts.awq_tokens:  # whole sequences (attention needs them) up to the budget
+                        m = min(x.shape[0], -(-(opts.awq_tokens - taken[n]) // x.shape[1]))
+                        loss_x[n].append(x[:m].float())
+                        taken[n] += m * x.shape[1]
                 else:
-                    absum[n] = torch.maximum(torch.as_tensor(absum[n]), x.abs().amax(0))
+                    absum[n] = torch.maximum(torch.as_tensor(absum[n]), flat.abs().amax(0))
 
-            gen = torch.Generator().manual_seed(opts.seed + i)
             with input_hooks(layer, firsts, collect):
-                runner.run(layer)
+                runner.run(layer, stop_at=_stop_at(layer, firsts))
             if method == "awq":
-                sample = {n: torch.cat(v)[:AWQ_SAMPLE_TOKENS] for n, v in stats.items()}
+                kws = [_slice_batch(runner.kwargs[b], x.shape[0], runner.inputs[b].shape[0])
+                       for b, x in enumerate(loss_x[firsts[0]])] if firsts else []
                 means = {n: absum[n] / max(count[n], 1) for n in firsts}
-                for n, ratio in awq_layer(layer, sample, means, spec.bits, spec.group_size, spec.sym, opts.awq_clip, sdt).items():
+                for n, ratio in awq_layer(layer, loss_x, kws, means, spec.bits, spec.group_size, spec.sym,
+                                          opts.awq_clip, sdt, duo=opts.awq_duo).items():
                     notes[prefix + n] = ratio
             else:
                 smooth_layer(layer, absum, opts.alpha)
