@@ -28,18 +28,21 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from common import env_info, random_lengths, random_prompts  # noqa: E402
 
-# name -> (method, format, bits, group_size, sym, desc_act); None = the float checkpoint itself
+# name -> (method, format, bits, group_size, sym, desc_act, extra tools.convert flags); None = the float checkpoint.
+# GPTQ sym runs act-order with static groups (columns quantized in decreasing diag(H) order, groups fixed on the
+# original order: g_idx stays trivial, so the checkpoint is as fast as plain GPTQ), plus the clipping search and
+# the drift-corrected target; AWQ searches scales on the attention / MLP outputs and clipping ratios.
 VARIANTS: dict[str, tuple | None] = {
     "float": None,
-    "rtn-w4g128-sym": ("rtn", "gptq", 4, 128, True, False),
-    "rtn-w4g128-asym": ("rtn", "gptq", 4, 128, False, False),
-    "gptq-w4g128-sym": ("gptq", "gptq", 4, 128, True, False),
-    "gptq-w4g128-asym-actorder": ("gptq", "gptq", 4, 128, False, True),
-    "rtn-w4g64-asym": ("rtn", "gptq", 4, 64, False, False),
-    "awq-w4g64": ("awq", "awq", 4, 64, False, False),
-    "w8a16": ("rtn", "gptq", 8, -1, True, False),
-    "w8a8-smoothquant": ("smoothquant", "w8a8", 8, -1, True, False),
-    "fp8-w8a8": ("rtn", "fp8", 8, -1, True, False),  # Hopper only, and only when tools.convert writes fp8
+    "rtn-w4g128-sym": ("rtn", "gptq", 4, 128, True, False, ()),
+    "rtn-w4g128-asym": ("rtn", "gptq", 4, 128, False, False, ()),
+    "gptq-w4g128-sym": ("gptq", "gptq", 4, 128, True, True, ("--static-groups", "--mse", "--drift-alpha", "0.25")),
+    "gptq-w4g128-asym-actorder": ("gptq", "gptq", 4, 128, False, True, ("--mse", "--drift-alpha", "0.25")),
+    "rtn-w4g64-asym": ("rtn", "gptq", 4, 64, False, False, ()),
+    "awq-w4g64": ("awq", "awq", 4, 64, False, False, ("--awq-clip",)),
+    "w8a16": ("rtn", "gptq", 8, -1, True, False, ()),
+    "w8a8-smoothquant": ("smoothquant", "w8a8", 8, -1, True, False, ()),
+    "fp8-w8a8": ("rtn", "fp8", 8, -1, True, False, ()),  # Hopper only, and only when tools.convert writes fp8
 }
 
 
@@ -65,11 +68,12 @@ def device_name() -> str:
 
 
 def convert_command(model_dir: str, out: str, spec: tuple, args) -> list[str]:
-    method, fmt, bits, group, sym, desc_act = spec
+    method, fmt, bits, group, sym, desc_act, extra = spec
     cmd = [sys.executable, "-m", "tools.convert", "quantize", "--model", model_dir, "--out", out, "--method", method,
            "--format", fmt, "--bits", str(bits), "--group-size", str(group), "--sym" if sym else "--asym"]
     if desc_act:
         cmd.append("--desc-act")
+    cmd += list(extra)
     if method != "rtn":
         cmd += ["--num-samples", str(args.calib_samples), "--seq-len", str(args.calib_seq_len), "--seed", str(args.seed)]
         if args.calib:
@@ -171,6 +175,10 @@ def markdown(res: dict) -> str:
         out.append(f"| {v['name']} | {v['format']} | {v['bits']} | {g} | {v['ppl']:.2f} | {d} | {v['kl']:.4f} "
                    f"| {v['top1_agree'] * 100:.1f}% | {v['decode_tok_s']:.1f} | {v['weight_gb_s']:.2f} | "
                    f"{v['throughput_tok_s']:.1f} | {v['weight_bytes'] / 2**20:.1f} |")
+    recipes = [(v["name"], recipe(v["convert_cmd"])) for v in rows if v.get("convert_cmd")]
+    if recipes:
+        out += ["", "Variants are built with `python -m tools.convert quantize --model MODEL --out DIR` plus:", ""]
+        out += [f"- `{n}`: `{r}`" for n, r in recipes]
     for v in res["variants"]:
         if "skipped" in v:
             out.append(f"\n{v['name']}: skipped ({v['skipped']})")
@@ -181,6 +189,20 @@ def markdown(res: dict) -> str:
                 f"CUDA {e['cuda']}, python {e['python']}, lqe {e['lqe_commit']}; model `{res['model']}`; matrix run "
                 f"{res['seconds']:.0f} s.", ""]
     return "\n".join(out)
+
+
+def recipe(cmd: str) -> str:
+    """The flags of a recorded convert command (``-m tools.convert quantize ...``) without the model and output
+    paths; other paths shortened to their file name."""
+    out, skip = [], False
+    for w in cmd.split():
+        if skip:
+            skip = False
+        elif w in ("--model", "--out"):
+            skip = True
+        elif w not in ("-m", "tools.convert", "quantize"):
+            out.append(os.path.basename(w) if "/" in w else w)
+    return " ".join(out)
 
 
 def targets(rows: list[dict]) -> list[dict]:

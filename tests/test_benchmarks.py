@@ -119,8 +119,21 @@ def test_accuracy_vs_throughput_script(tiny_llama_dir, text_file, tmp_path):
     assert fl["group_size"] is None and q["format"] == "gptq" and q["bits"] == 4 and q["group_size"] == 64 and q["kl"] > 0
     assert q["weight_bytes"] < fl["weight_bytes"]
     assert os.path.getsize(base.with_suffix(".png")) > 1000
-    assert "| rtn-w4g64-asym |" in base.with_suffix(".md").read_text()
+    md = base.with_suffix(".md").read_text()
+    assert "| rtn-w4g64-asym |" in md
+    assert "- `rtn-w4g64-asym`: `--method rtn --format gptq --bits 4 --group-size 64 --asym`" in md
     # the cached checkpoint is reused when the convert command is the same
     ns = avt.argparse.Namespace(cache=str(tmp_path / "cache"), calib=None, calib_samples=16, calib_seq_len=256, seed=0)
     ckpt, convert_s, cmd = avt.build_variant("rtn-w4g64-asym", tiny_llama_dir, ns)
     assert convert_s is None and ckpt == str(tmp_path / "cache" / "rtn-w4g64-asym") and "--asym" in cmd
+
+
+def test_recipe_and_variant_commands():
+    import accuracy_vs_throughput as avt
+
+    ns = avt.argparse.Namespace(calib="/data/c.txt", calib_samples=16, calib_seq_len=256, seed=0)
+    cmd = avt.convert_command("/m", "/o/x", avt.VARIANTS["gptq-w4g128-sym"], ns)
+    assert cmd[1:4] == ["-m", "tools.convert", "quantize"] and "--desc-act" in cmd and "--static-groups" in cmd
+    r = avt.recipe(" ".join(cmd[1:]))
+    assert r.startswith("--method gptq --format gptq --bits 4 --group-size 128 --sym --desc-act --static-groups")
+    assert "/m" not in r and "--calib c.txt" in r

@@ -172,3 +172,45 @@ def test_awq_module_loss_beats_rtn_on_the_layer_output(layer0, duo):
         rtn_err = float(((out(quantize_all(copy.deepcopy(ref))) - want) ** 2).mean())
         awq_err = float(((out(quantize_all(awq)) - want) ** 2).mean())
     assert awq_err < 0.8 * rtn_err
+
+
+def test_drift_target_is_the_least_squares_fit_to_the_float_outputs():
+    from tools.convert.gptq import drift_target
+
+    torch.manual_seed(0)
+    x_fp = torch.randn(512, 24, dtype=torch.float64)
+    # the quantized stream drifted from the float one: mostly a linear distortion (which a weight can undo), plus noise
+    x = x_fp @ (torch.eye(24, dtype=torch.float64) + 0.2 * torch.randn(24, 24, dtype=torch.float64)) \
+        + 0.01 * torch.randn_like(x_fp)
+    w = torch.randn(8, 24, dtype=torch.float64)
+    h = HessianAccumulator(24)
+    h.add(x, x_fp)
+    target = drift_target(w, h.hessian(), h.drift(), 1.0, damp=0.0)
+    lstsq = torch.linalg.lstsq(x, x_fp @ w.t()).solution.t()  # argmin_W' |x W'^T - x_fp W^T|
+    assert torch.allclose(target, lstsq, atol=1e-4)
+    fit = lambda v: float(((x @ v.t() - x_fp @ w.t()) ** 2).sum())  # noqa: E731
+    assert fit(target) < 0.01 * fit(w)
+    half = drift_target(w, h.hessian(), h.drift(), 0.5, damp=0.0)
+    assert torch.allclose(half, (w + target) / 2, atol=1e-4)
+
+
+def test_run_paired_matches_plain_run_on_identical_streams(layer0):
+    """At layer 0 both streams are the same tokens: the paired Hessian equals the plain one and the drift is 0."""
+    import copy
+
+    model, _ = layer0
+    runner = BlockRunner(model, calibration_ids_for(model), 4, track_float=True)
+    layer = model.model.layers[0]
+    k = layer.mlp.down_proj.in_features
+    plain, paired = HessianAccumulator(k), HessianAccumulator(k)
+    with input_hooks(layer, ["mlp.down_proj"], lambda n, x: plain.add(x)):
+        runner.run(layer)
+    runner.run_paired(layer, copy.deepcopy(layer), ["mlp.down_proj"], lambda n, x, xf: paired.add(x, xf),
+                      stop_at="mlp.down_proj")
+    assert torch.allclose(plain.hessian(), paired.hessian()) and float(paired.drift().abs().max()) == 0.0
+    with pytest.raises(ValueError, match="track_float"):
+        BlockRunner(model, calibration_ids_for(model), 4).run_paired(layer, layer, ["mlp.down_proj"], print)
+
+
+def calibration_ids_for(model):
+    return torch.randint(0, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))

@@ -41,11 +41,15 @@ def linear_groups(layer: nn.Module) -> list[tuple[str, ...]]:
 
 
 class BlockRunner:
-    def __init__(self, model: nn.Module, input_ids: torch.Tensor, batch_size: int = 8) -> None:
+    """``inputs``: the current layer's inputs as the quantized layers before it produce them. With ``track_float``,
+    also ``fp_inputs``: the same layer's inputs in the float model (what the quantized stream should reproduce)."""
+
+    def __init__(self, model: nn.Module, input_ids: torch.Tensor, batch_size: int = 8, track_float: bool = False) -> None:
         self.model = model
         self.layers = decoder_layers(model)
         self.inputs: list[torch.Tensor] = []
         self.kwargs: list[dict] = []
+        self.fp_inputs: list[torch.Tensor] | None = None
         first = self.layers[0]
 
         def catch(module, args, kwargs):
@@ -63,9 +67,11 @@ class BlockRunner:
                         pass
         finally:
             handle.remove()
+        if track_float:
+            self.fp_inputs = list(self.inputs)
 
-    def run(self, layer: nn.Module, keep_outputs: bool = False,
-            stop_at: nn.Module | None = None) -> list[torch.Tensor] | None:
+    def run(self, layer: nn.Module, keep_outputs: bool = False, stop_at: nn.Module | None = None,
+            inputs: list[torch.Tensor] | None = None) -> list[torch.Tensor] | None:
         """Run ``layer`` on every stored batch; with ``stop_at``, abandon each forward once that submodule's input
         is known (hooks registered before this call still see it): what comes after is not needed."""
         if keep_outputs and stop_at is not None:
@@ -74,7 +80,7 @@ class BlockRunner:
         handle = stop_at.register_forward_pre_hook(_raise_stop) if stop_at is not None else None
         try:
             with torch.no_grad():
-                for x, kw in zip(self.inputs, self.kwargs):
+                for x, kw in zip(self.inputs if inputs is None else inputs, self.kwargs):
                     try:
                         y = layer(x, **kw)
                     except _Stop:
@@ -86,8 +92,40 @@ class BlockRunner:
                 handle.remove()
         return outs if keep_outputs else None
 
-    def advance(self, layer: nn.Module) -> None:
-        """Replace the stored inputs by ``layer``'s outputs (call after quantizing it)."""
+    def run_paired(self, layer: nn.Module, fp_layer: nn.Module, names: list[str],
+                   fn: Callable[[str, torch.Tensor, torch.Tensor], None], stop_at: str | None = None) -> None:
+        """For each batch, ``fn(name, x, x_fp)`` with the input of linear ``name`` in ``layer`` (fed the quantized
+        stream) and in ``fp_layer`` (the float copy of the layer, fed the float stream)."""
+        if self.fp_inputs is None:
+            raise ValueError("run_paired needs BlockRunner(track_float=True)")
+        seen: dict[str, torch.Tensor] = {}
+        fp_mods, mods = dict(fp_layer.named_modules()), dict(layer.named_modules())
+        handles = [fp_mods[n].register_forward_pre_hook(lambda m, a, n=n: seen.__setitem__(n, a[0].detach()))
+                   for n in names]
+        handles += [mods[n].register_forward_pre_hook(lambda m, a, n=n: fn(n, a[0].detach(), seen[n])) for n in names]
+        if stop_at is not None:
+            handles += [fp_mods[stop_at].register_forward_pre_hook(_raise_stop),
+                        mods[stop_at].register_forward_pre_hook(_raise_stop)]
+        try:
+            with torch.no_grad():
+                for x, xf, kw in zip(self.inputs, self.fp_inputs, self.kwargs):
+                    for mod, inp in ((fp_layer, xf), (layer, x)):
+                        try:
+                            mod(inp, **kw)
+                        except _Stop:
+                            pass
+                    seen.clear()
+        finally:
+            for h in handles:
+                h.remove()
+
+    def advance(self, layer: nn.Module, fp_layer: nn.Module | None = None) -> None:
+        """Replace the stored inputs by ``layer``'s outputs (call after quantizing it); with float tracking, the
+        float stream by the outputs of ``fp_layer`` (the layer before quantization)."""
+        if self.fp_inputs is not None:
+            if fp_layer is None:
+                raise ValueError("a BlockRunner tracking the float stream needs the float layer to advance")
+            self.fp_inputs = self.run(fp_layer, keep_outputs=True, inputs=self.fp_inputs)
         self.inputs = self.run(layer, keep_outputs=True)
 
 

@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--method", default="gptq", choices=("rtn", "gptq", "awq", "smoothquant"))
     q.add_argument("--static-groups", action="store_true")
     q.add_argument("--mse", action="store_true", help="GPTQ: search each group's clipping range (min |w - q(w)|^2.4)")
+    q.add_argument("--drift-alpha", type=float, default=0.0,
+                   help="GPTQ: fit the float model's layer outputs, not the quantized stream's (0 = off, 1 = full "
+                        "least-squares correction for the drift of earlier quantized layers)")
     q.add_argument("--no-true-sequential", dest="true_sequential", action="store_false")
     q.add_argument("--calib", default=None, help="calibration text file (default ../shared/data/wikitext2-valid.tokens)")
     q.add_argument("--num-samples", type=int, default=32)
@@ -75,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             from tools.convert.quantize import CalibOptions, quantize_checkpoint
 
             spec = _spec(a, damp_percent=a.damp, static_groups=a.static_groups, true_sequential=a.true_sequential,
-                         mse=a.mse)
+                         mse=a.mse, drift_alpha=a.drift_alpha)
             opts = CalibOptions(a.calib, a.num_samples, a.seq_len, a.seed, a.alpha, a.awq_clip, a.batch_size)
             r, res = quantize_checkpoint(a.model, a.out, a.method, spec, opts, a.overwrite)
             print(f"{a.method}: quantized {len(r.layers)} layers in {res.seconds:.1f} s -> {r.out_dir} ({', '.join(r.files)})")

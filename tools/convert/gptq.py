@@ -16,19 +16,41 @@ from lqe.quant_layers.reference import num_groups, rtn_quantize
 
 
 class HessianAccumulator:
-    """Running ``sum x^T x`` over calibration tokens of one linear's input."""
+    """Running ``sum x^T x`` over calibration tokens of one linear's input; with the float model's input ``x_fp`` of
+    the same tokens also ``sum (x_fp - x)^T x``, the drift of the quantized stream (see :func:`drift_target`)."""
 
     def __init__(self, k: int) -> None:
         self.h = torch.zeros(k, k, dtype=torch.float32)
+        self.d: torch.Tensor | None = None
         self.count = 0
 
-    def add(self, x: torch.Tensor) -> None:
+    def add(self, x: torch.Tensor, x_fp: torch.Tensor | None = None) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
         self.h.addmm_(x.t(), x)  # fp32 products, summed per batch (a few thousand tokens each)
+        if x_fp is not None:
+            if self.d is None:
+                self.d = torch.zeros_like(self.h)
+            self.d.addmm_((x_fp.reshape(-1, x.shape[-1]).float() - x).t(), x)
         self.count += x.shape[0]
 
     def hessian(self) -> torch.Tensor:
         return (2.0 / max(self.count, 1)) * self.h.double()
+
+    def drift(self) -> torch.Tensor | None:
+        return None if self.d is None else (2.0 / max(self.count, 1)) * self.d.double()
+
+
+def drift_target(weight: torch.Tensor, hessian: torch.Tensor, drift: torch.Tensor, alpha: float,
+                 damp: float = 0.01) -> torch.Tensor:
+    """The weight GPTQ should reproduce when its inputs ``x`` (quantized model) differ from the float model's
+    ``x_fp``: ``min_Q sum |Q x - W x_fp|^2`` equals ``sum |(Q - W*) x|^2`` plus a constant, with the least-squares
+    ``W* = W + W D H^-1`` (``D = sum (x_fp - x) x^T``, ``H = sum x x^T``, damped as GPTQ damps it). ``alpha``
+    scales the correction (1 = the full least-squares target; less trusts a small calibration set less)."""
+    h = hessian.double().clone()
+    h += damp * torch.mean(torch.diag(h)) * torch.eye(h.shape[0], dtype=h.dtype)
+    corr = torch.linalg.solve(h, drift.double().t()).t()  # D H^-1 (H symmetric)
+    w = weight.detach().double()
+    return (w + alpha * (w @ corr)).to(weight.dtype)
 
 
 MSE_SHRINKS = torch.linspace(1.0, 0.7, 16).tolist()  # range factors tried by the clipping search

@@ -16,7 +16,8 @@ def gptq_config(spec: ExportSpec) -> dict[str, Any]:
         "sym": spec.sym, "checkpoint_format": fmt, "format": fmt, "pack_dtype": "int32", "lm_head": spec.quantize_lm_head,
         "true_sequential": spec.true_sequential, "damp_percent": spec.damp_percent, "static_groups": spec.static_groups, "mse": spec.mse,
         "model_name_or_path": None, "model_file_base_name": None,
-        "meta": {"quantizer": [QUANTIZER], "method": spec.method},
+        "meta": {"quantizer": [QUANTIZER], "method": spec.method,
+                 **({"drift_alpha": spec.drift_alpha} if spec.drift_alpha else {})},
     }
 
 

@@ -2,6 +2,7 @@
 through the same export path (:func:`tools.convert.export.write_checkpoint`) and packers."""
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from tools.convert.awq import AWQ_MAPPINGS, awq_layer
 from tools.convert.blocks import SEQUENTIAL, BlockRunner, decoder_layers, input_hooks, linear_groups
 from tools.convert.calib_data import calibration_ids
 from tools.convert.export import ExportReport, linear_names, write_checkpoint
-from tools.convert.gptq import HessianAccumulator, gptq_quantize
+from tools.convert.gptq import HessianAccumulator, drift_target, gptq_quantize
 from tools.convert.rtn import rtn_canonical
 from tools.convert.smoothquant import SQ_MAPPINGS, smooth_layer
 from tools.convert.spec import ConvertError, ExportSpec
@@ -49,13 +50,15 @@ def _set_weight(module: torch.nn.Module, cw: CanonicalWeight) -> None:
         module.weight.copy_(cw.dequantize().t().to(module.weight.dtype))
 
 
+_ORDER = [n for g in SEQUENTIAL for n in g]
+
+
 def _stop_at(layer: torch.nn.Module, names: list[str]) -> torch.nn.Module | None:
     """The one of ``names`` that runs last in a Llama/Qwen layer (None when one of them is not a known linear, whose
     place in the forward is unknown: then the whole layer runs)."""
-    order = [n for g in SEQUENTIAL for n in g]
-    if not names or any(n not in order for n in names):
+    if not names or any(n not in _ORDER for n in names):
         return None
-    return layer.get_submodule(max(names, key=order.index))
+    return layer.get_submodule(max(names, key=_ORDER.index))
 
 
 def _slice_batch(obj, m: int, batch: int):
@@ -84,24 +87,34 @@ def calibrate(model: torch.nn.Module, input_ids: torch.Tensor | None, method: st
         for name in tqdm(names, desc="rtn", leave=False):
             canon[name] = rtn_canonical(modules[name].weight, spec.bits, spec.group_size, spec.sym, sdt)
         return QuantizeResult(canon, time.time() - t0)
-    runner = BlockRunner(model, input_ids, opts.batch_size)
+    drift = method == "gptq" and spec.drift_alpha > 0
+    runner = BlockRunner(model, input_ids, opts.batch_size, track_float=drift)
     layers = decoder_layers(model)
     layer_prefix = next(n for n, m in model.named_modules() if m is layers)
     for i, layer in enumerate(tqdm(layers, desc=method, unit="layer")):
         prefix = f"{layer_prefix}.{i}."
         groups = linear_groups(layer)
         lin = dict(layer.named_modules())
+        fp_layer = copy.deepcopy(layer) if drift else None
         if method == "gptq":
             passes = groups if spec.true_sequential else [tuple(n for g in groups for n in g)]
             for group in passes:
                 # linears of a group read the same input: one Hessian per group
                 readers = [g[0] for g in groups if set(g) & set(group)] if not spec.true_sequential else [group[0]]
                 acc = {n: HessianAccumulator(lin[n].in_features) for n in readers}
-                with input_hooks(layer, readers, lambda n, x: acc[n].add(x)):
-                    runner.run(layer, stop_at=_stop_at(layer, readers))
+                stop = _stop_at(layer, readers)
+                if fp_layer is not None:
+                    runner.run_paired(layer, fp_layer, readers, lambda n, x, xf: acc[n].add(x, xf),
+                                      None if stop is None else max(readers, key=_ORDER.index))
+                else:
+                    with input_hooks(layer, readers, lambda n, x: acc[n].add(x)):
+                        runner.run(layer, stop_at=stop)
                 for n in group:
                     first = next(g[0] for g in groups if n in g)
-                    cw = gptq_quantize(lin[n].weight, acc[first].hessian(), spec.bits, spec.group_size, spec.sym,
+                    hess, w = acc[first].hessian(), lin[n].weight
+                    if fp_layer is not None:
+                        w = drift_target(w, hess, acc[first].drift(), spec.drift_alpha, spec.damp_percent)
+                    cw = gptq_quantize(w, hess, spec.bits, spec.group_size, spec.sym,
                                        spec.damp_percent, spec.desc_act, spec.static_groups, scale_dtype=sdt,
                                        mse=spec.mse)
                     _set_weight(lin[n], cw)
@@ -142,7 +155,7 @@ def calibrate(model: torch.nn.Module, input_ids: torch.Tensor | None, method: st
                     cw = rtn_canonical(lin[n].weight, spec.bits, spec.group_size, spec.sym, sdt)
                     _set_weight(lin[n], cw)
                     canon[prefix + n] = cw
-        runner.advance(layer)
+        runner.advance(layer, fp_layer)
     missing = [n for n in names if n not in canon]
     for n in missing:  # linears outside the decoder layers (e.g. a quantized lm_head): RTN
         canon[n] = rtn_canonical(modules[n].weight, spec.bits, spec.group_size, spec.sym, sdt)

@@ -33,6 +33,7 @@ class ExportSpec:
     true_sequential: bool = True
     static_groups: bool = False
     mse: bool = False  # GPTQ: per-group clipping search of the quantization range
+    drift_alpha: float = 0.0  # GPTQ: target the float model's outputs (0 = plain GPTQ); see gptq.drift_target
 
     def resolve_scale_dtype(self) -> torch.dtype:
         if self.scale_dtype is None:
