@@ -16,14 +16,20 @@ TEXT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of Fr
 
 
 @pytest.fixture(scope="module")
-def acts(tiny_llama_dir, tmp_path_factory):
-    """Layer-0 inputs of q_proj and down_proj on calibration text (outlier channels injected into the norm)."""
+def layer0(tiny_llama_dir, tmp_path_factory):
+    """Tiny Llama (outlier channels in layer 0's input norm) and its calibration runner."""
     path = tmp_path_factory.mktemp("calib") / "calib.txt"
     path.write_text(TEXT)
     ids = calibration_ids(tiny_llama_dir, str(path), 8, 64, seed=0)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval().requires_grad_(False)
     model.model.layers[0].input_layernorm.weight[:4] *= 20
-    runner = BlockRunner(model, ids, 4)
+    return model, BlockRunner(model, ids, 4)
+
+
+@pytest.fixture(scope="module")
+def acts(layer0):
+    """Layer-0 inputs of q_proj and down_proj on calibration text, with the layer's weights."""
+    model, runner = layer0
     got = {"self_attn.q_proj": [], "mlp.down_proj": []}
     layer = model.model.layers[0]
     with input_hooks(layer, list(got), lambda n, x: got[n].append(x.reshape(-1, x.shape[-1]))):
@@ -97,17 +103,6 @@ def test_quantize_cli_end_to_end(tiny_llama_dir, tmp_path):
                     + ([] if fmt == "w8a8" else ["--group-size", "32"])) == 0
         assert main(["verify", out]) == 0
     assert torch.isfinite(engine_logprobs(str(tmp_path / "gptq"))).all()
-
-
-@pytest.fixture(scope="module")
-def layer0(tiny_llama_dir, tmp_path_factory):
-    """Tiny Llama (outlier channels in layer 0's input norm), its calibration runner and layer 0."""
-    path = tmp_path_factory.mktemp("calib0") / "calib.txt"
-    path.write_text(TEXT)
-    ids = calibration_ids(tiny_llama_dir, str(path), 8, 64, seed=0)
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval().requires_grad_(False)
-    model.model.layers[0].input_layernorm.weight[:4] *= 20
-    return model, BlockRunner(model, ids, 4)
 
 
 def test_stop_at_sees_the_same_inputs(layer0):
