@@ -137,3 +137,14 @@ def test_recipe_and_variant_commands():
     r = avt.recipe(" ".join(cmd[1:]))
     assert r.startswith("--method gptq --format gptq --bits 4 --group-size 128 --sym --desc-act --static-groups")
     assert "/m" not in r and "--calib c.txt" in r
+
+
+def test_gptq_reference_names_the_missing_library(monkeypatch, tmp_path):
+    """gptqmodel is not an lqe dependency: without it the reference script says how to install it."""
+    import sys
+
+    import gptq_reference
+
+    monkeypatch.setitem(sys.modules, "gptqmodel", None)  # import gptqmodel -> ImportError
+    with pytest.raises(SystemExit, match="pip install --no-deps gptqmodel"):
+        gptq_reference.main(["--out", str(tmp_path / "o")])
