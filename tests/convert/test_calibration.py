@@ -209,3 +209,33 @@ def test_run_paired_matches_plain_run_on_identical_streams(layer0):
 
 def calibration_ids_for(model):
     return torch.randint(0, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+
+
+def test_quantize_static_groups_and_drift_cli(tiny_llama_dir, tmp_path):
+    """Act-order with static groups keeps g_idx trivial: GPTQ writes none that differs from the plain order and
+    compressed-tensors says actorder "weight" (no weight_g_idx); the drift option is recorded; both load."""
+    import json
+
+    from cutil import engine_logprobs
+    from safetensors.torch import load_file
+    from tools.convert.cli import main
+
+    calib = tmp_path / "c.txt"
+    calib.write_text(TEXT)
+    common = ["--calib", str(calib), "--num-samples", "4", "--seq-len", "32", "--group-size", "32", "--sym",
+              "--desc-act", "--static-groups", "--mse", "--drift-alpha", "0.25"]
+    for fmt in ("gptq", "w4a16-ct"):
+        out = tmp_path / fmt
+        assert main(["quantize", "--model", tiny_llama_dir, "--out", str(out), "--method", "gptq", "--format", fmt,
+                     *common]) == 0
+        assert main(["verify", str(out)]) == 0
+        qc = json.loads((out / "config.json").read_text())["quantization_config"]
+        sd = load_file(str(out / "model.safetensors"))
+        if fmt == "gptq":
+            assert qc["desc_act"] and qc["static_groups"] and qc["meta"]["drift_alpha"] == 0.25
+            g = sd["model.layers.0.mlp.down_proj.g_idx"]
+            assert torch.equal(g, torch.arange(g.numel(), dtype=g.dtype) // 32)
+        else:
+            assert qc["config_groups"]["group_0"]["weights"]["actorder"] == "weight"
+            assert not any(k.endswith("weight_g_idx") for k in sd)
+        assert torch.isfinite(engine_logprobs(str(out))).all()

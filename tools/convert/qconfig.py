@@ -44,7 +44,8 @@ def ct_config(spec: ExportSpec, ignore: list[str]) -> dict[str, Any]:
     else:
         grouped = spec.group_size != -1
         weights = _qargs(spec.bits, "group" if grouped else "channel", spec.group_size if grouped else None, spec.sym,
-                         actorder="group" if spec.desc_act else None)
+                         # static groups: act-order only chose the quantization order, no g_idx is stored ("weight")
+                         actorder=("weight" if spec.static_groups else "group") if spec.desc_act else None)
         acts, fmt = None, "pack-quantized"
     return {
         "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
