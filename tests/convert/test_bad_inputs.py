@@ -149,3 +149,13 @@ def _edit_config(d, **kv):
     cfg["quantization_config"].update(kv)
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(cfg, f)
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--method", "awq", "--format", "awq", "--awq-tokens", "0"], "--awq-tokens 0"),
+    (["--method", "gptq", "--drift-alpha", "1.5"], "must be in [0, 1]"),
+    (["--method", "rtn", "--drift-alpha", "0.25"], "applies to --method gptq"),
+])
+def test_quantize_option_limits(tiny_llama_dir, tmp_path, capsys, args, msg):
+    assert main(["quantize", "--model", tiny_llama_dir, "--out", str(tmp_path / "out"), *args]) == 2
+    assert msg in capsys.readouterr().err

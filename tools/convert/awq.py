@@ -133,7 +133,7 @@ def search_clip(x: torch.Tensor, weight: torch.Tensor, bits: int, group_size: in
 
 def awq_layer(layer: nn.Module, inputs: dict[str, list[torch.Tensor]], layer_kwargs: list[dict],
               means: dict[str, torch.Tensor], bits: int, group_size: int, sym: bool, clip: bool = False,
-              scale_dtype: torch.dtype = torch.float16, duo: bool = True, grid: int = 20) -> dict[str, float]:
+              scale_dtype: torch.dtype = torch.float16, duo: bool = False, grid: int = 20) -> dict[str, float]:
     """Scale-search and fold every mapping of one decoder layer in place; returns loss(best s) / loss(s = 1) per
     mapping.
 

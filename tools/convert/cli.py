@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--damp", type=float, default=0.01, help="GPTQ damping, fraction of mean diag(H)")
     q.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength")
     q.add_argument("--awq-clip", action="store_true", help="AWQ: also search per-group clipping ratios")
+    q.add_argument("--awq-duo", action="store_true",
+                   help="AWQ: search s = mean|x|^a / mean|w|^(1-a) (AutoAWQ's form) instead of the paper's mean|x|^a")
+    q.add_argument("--awq-tokens", type=int, default=2048,
+                   help="AWQ: calibration tokens (whole sequences) on which each candidate scale's error is measured")
     q.add_argument("--batch-size", type=int, default=8)
     v = sub.add_parser("verify", help="decode a GPTQ/AWQ/compressed-tensors checkpoint and check it")
     v.add_argument("dir")
@@ -79,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
 
             spec = _spec(a, damp_percent=a.damp, static_groups=a.static_groups, true_sequential=a.true_sequential,
                          mse=a.mse, drift_alpha=a.drift_alpha)
-            opts = CalibOptions(a.calib, a.num_samples, a.seq_len, a.seed, a.alpha, a.awq_clip, a.batch_size)
+            opts = CalibOptions(a.calib, a.num_samples, a.seq_len, a.seed, a.alpha, a.awq_clip, a.batch_size,
+                                awq_duo=a.awq_duo, awq_tokens=a.awq_tokens)
             r, res = quantize_checkpoint(a.model, a.out, a.method, spec, opts, a.overwrite)
             print(f"{a.method}: quantized {len(r.layers)} layers in {res.seconds:.1f} s -> {r.out_dir} ({', '.join(r.files)})")
         else:

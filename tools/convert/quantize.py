@@ -34,7 +34,7 @@ class CalibOptions:
     alpha: float = 0.5
     awq_clip: bool = False
     batch_size: int = 8
-    awq_duo: bool = True  # AWQ: s = mean|x|^a / mean|w~|^(1-a) (False: the paper's mean|x|^a)
+    awq_duo: bool = False  # AWQ: s = mean|x|^a / mean|w~|^(1-a) (AutoAWQ's form) instead of the paper's mean|x|^a
     awq_tokens: int = 2048  # AWQ: calibration tokens (whole sequences) on which each scale's loss is measured
 
 
@@ -175,6 +175,12 @@ def quantize_checkpoint(model_dir: str, out_dir: str, method: str, spec: ExportS
         raise ConvertError("SmoothQuant prepares activations for int8: use --format w8a8")
     if method == "awq" and spec.desc_act:
         raise ConvertError("AWQ does not reorder columns: drop --desc-act")
+    if method == "awq" and opts.awq_tokens < 1:
+        raise ConvertError(f"--awq-tokens {opts.awq_tokens}: AWQ needs at least one calibration token for its loss")
+    if not 0 <= spec.drift_alpha <= 1:
+        raise ConvertError(f"--drift-alpha {spec.drift_alpha} must be in [0, 1] (0 = plain GPTQ, 1 = full correction)")
+    if spec.drift_alpha and method != "gptq":
+        raise ConvertError(f"--drift-alpha applies to --method gptq, not {method}")
     writer.check_out_dir(out_dir, overwrite)
     orig = writer.load_state_dict(model_dir)
     names = linear_names(orig, spec.quantize_lm_head)
