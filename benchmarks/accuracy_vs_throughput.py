@@ -39,7 +39,7 @@ VARIANTS: dict[str, tuple | None] = {
     "gptq-w4g128-sym": ("gptq", "gptq", 4, 128, True, True, ("--static-groups", "--mse", "--drift-alpha", "0.25")),
     "gptq-w4g128-asym-actorder": ("gptq", "gptq", 4, 128, False, True, ("--mse", "--drift-alpha", "0.25")),
     "rtn-w4g64-asym": ("rtn", "gptq", 4, 64, False, False, ()),
-    "awq-w4g64": ("awq", "awq", 4, 64, False, False, ("--awq-clip",)),
+    "awq-w4g64": ("awq", "awq", 4, 64, False, False, ("--awq-clip", "--awq-tokens", "4096")),
     "w8a16": ("rtn", "gptq", 8, -1, True, False, ()),
     "w8a8-smoothquant": ("smoothquant", "w8a8", 8, -1, True, False, ()),
     "fp8-w8a8": ("rtn", "fp8", 8, -1, True, False, ()),  # Hopper only, and only when tools.convert writes fp8
