@@ -1,7 +1,7 @@
 """GPTQ by GPTQModel on exactly lqe's calibration tokens, saved as a checkpoint that lqe then measures: the
 reference the accuracy-vs-throughput table's GPTQ rows are compared with.
 
-    pip install --no-deps gptqmodel   # plus the few pure-Python packages it imports (see README)
+    pip install --no-deps gptqmodel==7.7.0   # plus the few pure-Python packages it imports (see README)
     python benchmarks/gptq_reference.py --model smollm2-135m-instruct --out /tmp/gm-sym --sym
     python benchmarks/accuracy.py --model /tmp/gm-sym --seq-len 1024 --max-windows 8
 
