@@ -89,6 +89,11 @@ class DequantMatmul(nn.Module):
         self.ordered = torch.equal(gi, torch.arange(k, device=gi.device) // g)  # consecutive groups, last may be short
         self.uniform = self.ordered and k % g == 0
         self.group = g
+        self.k = k
+        if self.ordered and k % g:
+            # a short last group (K=576, g=128) is padded with zero codes to a whole group, read by the grouped
+            # decode path against zero-padded x: one batched matmul instead of two (the dequant path slices [:k])
+            codes = torch.cat([codes, codes.new_zeros(g - k % g, codes.shape[1])])
         self.register_buffer("perm", perm)
         self.register_buffer("codes", codes.contiguous())
         self.register_buffer("scales", cw.scales.to(act_dtype).contiguous())
@@ -99,8 +104,8 @@ class DequantMatmul(nn.Module):
     def dequant(self, n0: int, n1: int) -> torch.Tensor:
         """``W[:, n0:n1]`` in the activation dtype."""
         dt = self.scales.dtype
-        codes = self.codes[:, n0:n1].to(dt)
-        k = codes.shape[0]
+        codes = self.codes[:self.k, n0:n1].to(dt)
+        k = self.k
         if self.uniform:
             codes = codes.view(k // self.group, self.group, n1 - n0)
             z = self.sym_zero if self.zeros is None else self.zeros[:, None, n0:n1]
@@ -109,7 +114,7 @@ class DequantMatmul(nn.Module):
         return (codes - z) * self.scales[self.gi, n0:n1]
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        k, n = self.codes.shape
+        k, n = self.k, self.codes.shape[1]
         x = x.to(self.scales.dtype)
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
@@ -124,25 +129,17 @@ class DequantMatmul(nn.Module):
     def _grouped(self, x: torch.Tensor) -> torch.Tensor:
         """Few rows (decode): ``sum_g s_g * (x_g @ q_g - sum(x_g) * z_g)`` with one batched matmul over the
         groups, so the only full-size temporary is the float copy of the codes (3x less memory traffic than
-        dequantizing first). A short last group is handled on its own."""
-        k, n = self.codes.shape
+        dequantizing first). A short last group reads zero-padded codes against zero-padded x."""
+        kp, n = self.codes.shape
         m, g = x.shape[0], self.group
-        full = (k // g) * g
-        out = torch.zeros(m, n, dtype=x.dtype, device=x.device)
-        for r0, r1, g0 in ((0, full, 0), (full, k, k // g)):
-            if r1 <= r0:
-                continue
-            size = min(g, r1 - r0)
-            ng = (r1 - r0) // size
-            xg = x[:, r0:r1].reshape(m, ng, size).transpose(0, 1)  # [G, M, g]
-            part = torch.bmm(xg, self.codes[r0:r1].to(x.dtype).view(ng, size, n))  # [G, M, N]
-            scales = self.scales[g0:g0 + ng, None, :]
-            if self.zeros is None:
-                part -= xg.sum(-1, keepdim=True) * self.sym_zero
-            else:
-                part -= xg.sum(-1, keepdim=True) * self.zeros[g0:g0 + ng, None, :]
-            out += (part * scales).sum(0)
-        return out
+        if kp != self.k:
+            x = torch.nn.functional.pad(x, (0, kp - self.k))
+        ng = kp // g
+        xg = x.reshape(m, ng, g).transpose(0, 1)  # [G, M, g]
+        part = torch.bmm(xg, self.codes.to(x.dtype).view(ng, g, n))  # [G, M, N]
+        z = self.sym_zero if self.zeros is None else self.zeros[:, None, :]
+        part -= xg.sum(-1, keepdim=True) * z
+        return (part * self.scales[:, None, :]).sum(0)
 
     def describe(self) -> str:
         return _with_reason(f"{self.name} ({self.codes.device.type})", self.why)
