@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    model_dir = resolve_model(a.model)
+    model_dir = os.path.abspath(resolve_model(a.model))  # absolute: the library runs from the output directory
     ids = calibration_ids(model_dir, a.calib, a.num_samples, a.seq_len, a.seed)
     extra = {} if a.library_defaults else dict(damp_percent=a.damp, act_group_aware=False, fallback=None,
                                                static_groups=False, mse=0.0, true_sequential=True)
@@ -79,15 +79,18 @@ def main(argv: list[str] | None = None) -> None:
                      device="cpu" if not torch.cuda.is_available() else "cuda", **extra)
     if not torch.cuda.is_available():
         _single_cpu_pool()
+    out = os.path.abspath(a.out)
+    os.makedirs(out, exist_ok=True)
+    os.chdir(out)  # GPTQModel writes ./logs/ into the working directory: keep it beside the checkpoint
     model = GPTQModel.load(model_dir, cfg, dtype=torch.float32)
     t = time.perf_counter()
     model.quantize([{"input_ids": r.tolist(), "attention_mask": [1] * r.numel()} for r in ids], batch_size=1,
                    calibration_sort=None)
     seconds = time.perf_counter() - t
-    model.save(a.out)
+    model.save(out)
     print(f"gptqmodel {gptqmodel.__version__}: {a.bits}-bit g{a.group_size} {'sym' if a.sym else 'asym'}"
           f"{' act-order' if a.desc_act else ''}, {ids.shape[0]} x {ids.shape[1]} calibration tokens, "
-          f"quantized in {seconds:.1f} s -> {a.out}\nmeasure it: python benchmarks/accuracy.py --model {a.out}")
+          f"quantized in {seconds:.1f} s -> {out}\nmeasure it: python benchmarks/accuracy.py --model {out}")
 
 
 if __name__ == "__main__":
