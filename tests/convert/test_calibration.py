@@ -113,11 +113,11 @@ def test_stop_at_sees_the_same_inputs(layer0):
     with input_hooks(layer, ["self_attn.o_proj"], lambda n, x: whole.append(x)):
         runner.run(layer)
     with input_hooks(layer, ["self_attn.o_proj", "mlp.gate_proj"], lambda n, x: (cut if "o_proj" in n else mlp).append(x)):
-        runner.run(layer, stop_at=layer.self_attn.o_proj)
+        runner.run(layer, stop_at="self_attn.o_proj")
     assert len(whole) == len(cut) == len(runner.inputs) and not mlp
     assert all(torch.equal(a, b) for a, b in zip(whole, cut))
     with pytest.raises(ValueError, match="keep_outputs"):
-        runner.run(layer, keep_outputs=True, stop_at=layer.self_attn.o_proj)
+        runner.run(layer, keep_outputs=True, stop_at="self_attn.o_proj")
 
 
 def test_slice_batch_cuts_batch_tensors_only():

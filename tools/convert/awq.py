@@ -149,16 +149,14 @@ def awq_layer(layer: nn.Module, inputs: dict[str, list[torch.Tensor]], layer_kwa
         if isinstance(prev, nn.Linear) and prev.out_features != lins[0].in_features:
             continue  # e.g. v_proj -> o_proj under grouped-query attention: shapes differ, no fold
         xs = [x.float() for x in inputs[names[0]]]
-        module = mods.get(inspect, lins[0])
-        if inspect == "self_attn":
-            def run(b, xs=xs, module=module):
-                out = module(hidden_states=xs[b], **layer_kwargs[b])
-                return out[0] if isinstance(out, tuple) else out
+        module = mods.get(inspect)
+        if module is None:  # a layout without that module: measure the linears themselves
+            loss = linear_loss(torch.cat([x.reshape(-1, x.shape[-1]) for x in xs]), [m.weight.float() for m in lins])
         else:
-            def run(b, xs=xs, module=module):
-                return module(xs[b])
-        loss = module_loss(run, len(xs), lins) if inspect in mods else linear_loss(
-            torch.cat([x.reshape(-1, x.shape[-1]) for x in xs]), [m.weight.float() for m in lins])
+            def run(b, xs=xs, module=module, attention=inspect == "self_attn"):
+                out = module(hidden_states=xs[b], **layer_kwargs[b]) if attention else module(xs[b])
+                return out[0] if isinstance(out, tuple) else out
+            loss = module_loss(run, len(xs), lins)
         s, best, base = search_scale(loss, means[names[0]], [m.weight.float() for m in lins], bits, group_size,
                                      sym, grid, scale_dtype, duo)
         fold_scale(prev, lins, s)

@@ -70,14 +70,15 @@ class BlockRunner:
         if track_float:
             self.fp_inputs = list(self.inputs)
 
-    def run(self, layer: nn.Module, keep_outputs: bool = False, stop_at: nn.Module | None = None,
+    def run(self, layer: nn.Module, keep_outputs: bool = False, stop_at: str | None = None,
             inputs: list[torch.Tensor] | None = None) -> list[torch.Tensor] | None:
-        """Run ``layer`` on every stored batch; with ``stop_at``, abandon each forward once that submodule's input
-        is known (hooks registered before this call still see it): what comes after is not needed."""
+        """Run ``layer`` on every stored batch; with ``stop_at`` (a submodule name), abandon each forward once that
+        submodule's input is known (hooks registered before this call still see it): what comes after is not
+        needed."""
         if keep_outputs and stop_at is not None:
             raise ValueError("keep_outputs needs the whole forward; drop stop_at")
         outs = []
-        handle = stop_at.register_forward_pre_hook(_raise_stop) if stop_at is not None else None
+        handle = layer.get_submodule(stop_at).register_forward_pre_hook(_raise_stop) if stop_at is not None else None
         try:
             with torch.no_grad():
                 for x, kw in zip(self.inputs if inputs is None else inputs, self.kwargs):

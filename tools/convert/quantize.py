@@ -53,12 +53,12 @@ def _set_weight(module: torch.nn.Module, cw: CanonicalWeight) -> None:
 _ORDER = [n for g in SEQUENTIAL for n in g]
 
 
-def _stop_at(layer: torch.nn.Module, names: list[str]) -> torch.nn.Module | None:
+def _stop_at(names: list[str]) -> str | None:
     """The one of ``names`` that runs last in a Llama/Qwen layer (None when one of them is not a known linear, whose
     place in the forward is unknown: then the whole layer runs)."""
     if not names or any(n not in _ORDER for n in names):
         return None
-    return layer.get_submodule(max(names, key=_ORDER.index))
+    return max(names, key=_ORDER.index)
 
 
 def _slice_batch(obj, m: int, batch: int):
@@ -102,13 +102,11 @@ def calibrate(model: torch.nn.Module, input_ids: torch.Tensor | None, method: st
                 # linears of a group read the same input: one Hessian per group
                 readers = [g[0] for g in groups if set(g) & set(group)] if not spec.true_sequential else [group[0]]
                 acc = {n: HessianAccumulator(lin[n].in_features) for n in readers}
-                stop = _stop_at(layer, readers)
                 if fp_layer is not None:
-                    runner.run_paired(layer, fp_layer, readers, lambda n, x, xf: acc[n].add(x, xf),
-                                      None if stop is None else max(readers, key=_ORDER.index))
+                    runner.run_paired(layer, fp_layer, readers, lambda n, x, xf: acc[n].add(x, xf), _stop_at(readers))
                 else:
                     with input_hooks(layer, readers, lambda n, x: acc[n].add(x)):
-                        runner.run(layer, stop_at=stop)
+                        runner.run(layer, stop_at=_stop_at(readers))
                 for n in group:
                     first = next(g[0] for g in groups if n in g)
                     hess, w = acc[first].hessian(), lin[n].weight
@@ -140,7 +138,7 @@ def calibrate(model: torch.nn.Module, input_ids: torch.Tensor | None, method: st
                     absum[n] = torch.maximum(torch.as_tensor(absum[n]), flat.abs().amax(0))
 
             with input_hooks(layer, firsts, collect):
-                runner.run(layer, stop_at=_stop_at(layer, firsts))
+                runner.run(layer, stop_at=_stop_at(firsts))
             if method == "awq":
                 kws = [_slice_batch(runner.kwargs[b], x.shape[0], runner.inputs[b].shape[0])
                        for b, x in enumerate(loss_x[firsts[0]])] if firsts else []
