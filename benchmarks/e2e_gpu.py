@@ -9,7 +9,13 @@ Per (model shape, variant) it measures, through the public API (``LLM.generate``
 * ``throughput_tok_s``: output tokens per second over N requests (default 256) whose input and output lengths are
   uniform in [100, 1024] (seeded); ``total_tok_s`` adds the prompt tokens;
 * ``weight_gbps_bs1``: weight bytes read per decoded token (every weight except the embedding table, which is
-  gathered, unless tied to the LM head) x ``decode_tok_s_bs1``: compare with the GPU's HBM bandwidth.
+  gathered, unless tied to the LM head) x ``decode_tok_s_bs1``: compare with the GPU's HBM bandwidth;
+* ``gpu_ms_step_bs1``: GPU time of one batch-1 decode step (its CUDA graph replayed back to back, 128 cached
+  tokens), and ``gpu_busy_bs1`` = that time x ``decode_tok_s_bs1`` / 1000: the fraction of a step the GPU works;
+* ``host_ms_step_bs1``: wall time of ``LLMEngine.step()`` minus the time it waits for the GPU (scheduling, input
+  building, sampling bookkeeping, output processing), over 64 batch-1 decode steps;
+* the same decode columns with ``_eager`` appended: the engine with ``enforce_eager=True`` (no CUDA graphs), in
+  the same run, so the graphs' gain is one division away (skipped with ``--no-eager``).
 
 Results go to ``benchmarks/results/e2e-<gpu>.json`` (rows of other shapes/variants already there are kept).
 Quantized variants come from ``python -m tools.convert quantize --method rtn --format gptq|w8a8``; when that
@@ -103,11 +109,15 @@ def build_random_model(shape: str, out_dir: Path, seed: int) -> Path:
     return out_dir
 
 
+def quantize_command(src: Path, fmt: str, out_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "tools.convert", "quantize", "--method", "rtn", "--format", fmt,
+            "--model", str(src), "--out", str(out_dir)]
+
+
 def quantize(src: Path, fmt: str, out_dir: Path) -> tuple[Path | None, str]:
     if (out_dir / "config.json").exists():
         return out_dir, ""
-    cmd = [sys.executable, "-m", "tools.convert", "quantize", "--method", "rtn", "--format", fmt,
-           "--model", str(src), "--output", str(out_dir)]
+    cmd = quantize_command(src, fmt, out_dir)
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
     except Exception as e:  # noqa: BLE001
@@ -180,24 +190,75 @@ def decode_weight_bytes(llm) -> int:
     return total
 
 
-def run_variant(model_dir: Path, args, vocab: int) -> dict:
-    from lqe import LLM, SamplingParams
+def host_ms_per_step(llm, sp_cls, vocab: int, rng: random.Random, steps: int = 64) -> float:
+    """Wall time of ``step()`` minus its wait for the GPU, per batch-1 decode step."""
+    engine = llm.llm_engine
+    engine.add_request("host-time", _prompts(rng, 1, 128, vocab)[0],
+                       sp_cls(max_tokens=steps + 2, ignore_eos=True, temperature=0))
+    engine.step()  # prefill
+    runner = engine.runner
+    runner.measure_gpu_wait, runner.gpu_wait_s = True, 0.0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = time.perf_counter() - t0
+    runner.measure_gpu_wait = False
+    while engine.has_unfinished():
+        engine.step()
+    return (wall - runner.gpu_wait_s) / steps * 1e3
 
-    llm = LLM(model=str(model_dir), dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
-              gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed)
+
+def _llm(model_dir: Path, args, eager: bool):
+    from lqe import LLM
+
+    return LLM(model=str(model_dir), dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
+               gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, enforce_eager=eager)
+
+
+def _decode_columns(llm, args, vocab: int, suffix: str) -> dict:
+    from lqe import SamplingParams
+
     rng = random.Random(args.seed)
     llm.generate(_prompts(rng, 2, 64, vocab), SamplingParams(max_tokens=8, ignore_eos=True, temperature=0),
                  use_tqdm=False)  # warm-up: kernel compilation / autotuning
-    row = {"attention_backend": llm.llm_engine.runner.attention_backend}
-    row["decode_tok_s_bs1"] = decode_tok_s(llm, SamplingParams, 1, vocab, rng)
-    row["decode_tok_s_bs16"] = decode_tok_s(llm, SamplingParams, 16, vocab, rng)
+    n = 256 if not suffix else 64  # the eager engine is ~10x slower: fewer tokens give the same rate
+    row = {f"decode_tok_s_bs1{suffix}": decode_tok_s(llm, SamplingParams, 1, vocab, rng, n),
+           f"decode_tok_s_bs16{suffix}": decode_tok_s(llm, SamplingParams, 16, vocab, rng, n),
+           f"host_ms_step_bs1{suffix}": host_ms_per_step(llm, SamplingParams, vocab, rng)}
+    return row
+
+
+def run_variant(model_dir: Path, args, vocab: int) -> dict:
+    from lqe import SamplingParams
+
+    t0 = time.perf_counter()
+    llm = _llm(model_dir, args, eager=False)
+    runner = llm.llm_engine.runner
+    row = {"attention_backend": runner.attention_backend, "load_s": round(time.perf_counter() - t0, 1),
+           "cuda_graphs": runner.graph_runner is not None}
+    if runner.graph_runner is not None:
+        row["graph_capture_s"] = round(runner.graph_runner.capture_seconds, 2)
+        row["graph_pool_mib"] = round(runner.graph_runner.pool_bytes / 2**20, 1)
+    row.update(_decode_columns(llm, args, vocab, ""))
+    if runner.graph_runner is not None:
+        row["gpu_ms_step_bs1"] = runner.graph_runner.time_replay(1, 128 + 128)
+        row["gpu_busy_bs1"] = row["gpu_ms_step_bs1"] * row["decode_tok_s_bs1"] / 1e3
+    rng = random.Random(args.seed + 1)
     row["ttft_ms"] = ttft_ms(llm, SamplingParams, vocab, rng)
     row["throughput_tok_s"], row["total_tok_s"] = throughput(llm, SamplingParams, args.num_requests, vocab, args.seed)
     row["weight_bytes"] = decode_weight_bytes(llm)
     row["weight_gbps_bs1"] = row["weight_bytes"] * row["decode_tok_s_bs1"] / 1e9
     del llm
     torch.cuda.empty_cache()
+    if not args.no_eager:
+        llm = _llm(model_dir, args, eager=True)
+        row.update(_decode_columns(llm, args, vocab, "_eager"))
+        if "gpu_ms_step_bs1" in row:
+            row["gpu_busy_bs1_eager"] = row["gpu_ms_step_bs1"] * row["decode_tok_s_bs1_eager"] / 1e3
+        row["graph_speedup_bs1"] = row["decode_tok_s_bs1"] / row["decode_tok_s_bs1_eager"]
+        del llm
+        torch.cuda.empty_cache()
     return row
 
 
@@ -232,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="where random checkpoints are built (and reused)")
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--quick", action="store_true", help="small shapes only, 32 requests (a smoke run)")
+    ap.add_argument("--no-eager", action="store_true", help="skip the enforce_eager=True decode columns")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("e2e_gpu.py needs a CUDA GPU: none is visible (torch.cuda.is_available() is False). Nothing was run.")

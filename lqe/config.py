@@ -28,7 +28,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     kv_cache_memory_bytes: int | None = None  # CPU budget (default 1 GiB); on GPU overrides the utilization
     num_kv_blocks: int | None = None  # exact block count, overrides both budgets (tests use it)
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # CUDA: no decode graphs (every step eager)
+    max_cudagraph_batch: int = 256  # largest decode batch replayed from a CUDA graph (capped by max_num_seqs)
     revision: str | None = None
     trust_remote_code: bool = False
 
@@ -42,6 +43,7 @@ class EngineConfig:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("block_size", self.block_size)
+        _positive("max_cudagraph_batch", self.max_cudagraph_batch)
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         if self.num_kv_blocks is not None:

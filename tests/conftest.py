@@ -7,6 +7,9 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 from helpers import build_tiny_model  # noqa: E402
+from triton_compat import patch as _patch_triton_interpreter  # noqa: E402
+
+_patch_triton_interpreter()
 
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 

@@ -148,3 +148,18 @@ def test_gptq_reference_names_the_missing_library(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "gptqmodel", None)  # import gptqmodel -> ImportError
     with pytest.raises(SystemExit, match="pip install --no-deps gptqmodel"):
         gptq_reference.main(["--out", str(tmp_path / "o")])
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "w8a8"])
+def test_e2e_gpu_quantize_command_runs(fmt, tiny_llama_dir, tmp_path):
+    """benchmarks/e2e_gpu.py builds its quantized variants with tools.convert: the command it runs must work
+    (it once passed --output where the flag is --out, and every quantized row was skipped)."""
+    from pathlib import Path
+
+    import e2e_gpu
+
+    assert e2e_gpu.VARIANTS["w4a16"] == "gptq" and e2e_gpu.VARIANTS["w8a8"] == "w8a8"
+    out, why = e2e_gpu.quantize(Path(tiny_llama_dir), fmt, tmp_path / fmt)
+    assert out is not None, why
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"], cfg

@@ -22,7 +22,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 SCRIPT = textwrap.dedent("""
     import sys
-    sys.path[:0] = [{root!r}, {gpu!r}]
+    sys.path[:0] = [{root!r}, {gpu!r}, {tests!r}]
+    import triton_compat
+    triton_compat.patch()
     import torch
     import test_triton_attention as A
     import test_triton_fused_ops as F
@@ -46,10 +48,10 @@ SCRIPT = textwrap.dedent("""
     F.check_torch_fallbacks()
 
     # the backend seam: LQE_ATTENTION_BACKEND=triton selects the triton backend, which stores K/V first
-    from lqe.layers.attention import select_backend
+    from lqe.kernels.attention_backends import select_backend
     backend = select_backend(torch.device("cpu"))
     assert backend.name == "triton", backend.name
-    from lqe.layers import paged_attention_ref as ref
+    from lqe.kernels import attention_ref as ref
     q, k, v, cache, meta = A.make_case([(1, 50), (7, 12)], 4, 2, 32, f32, "cpu")
     cache_ref = cache.clone()
     got = backend.forward(q, k, v, cache, meta, 0.2)
@@ -62,7 +64,7 @@ SCRIPT = textwrap.dedent("""
 
 def test_triton_kernels_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", LQE_ATTENTION_BACKEND="triton", CUDA_VISIBLE_DEVICES="")
-    script = SCRIPT.format(root=str(ROOT), gpu=str(ROOT / "tests" / "gpu"))
+    script = SCRIPT.format(root=str(ROOT), gpu=str(ROOT / "tests" / "gpu"), tests=str(ROOT / "tests"))
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "TRITON-INTERPRET-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
 
@@ -72,12 +74,11 @@ def test_backends_module_imports_without_gpu():
     import torch
 
     import lqe.kernels.attention_backends as m
-    from lqe.layers import attention
 
     forced = os.environ.get("LQE_ATTENTION_BACKEND") == "triton"
-    assert ("triton" in attention._BACKENDS) == (m._ta is not None and (torch.cuda.is_available() or forced))
+    assert ("triton" in m._BACKENDS) == (m._ta is not None and (torch.cuda.is_available() or forced))
     if not torch.cuda.is_available():
-        assert "flash_attn" not in attention._BACKENDS
+        assert "flash_attn" not in m._BACKENDS
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="ahead-of-time compilation needs the real JIT")

@@ -70,6 +70,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(config, self.model_dir, cfg, self.quant_config, self.device, self.dtype)
         self.runner.allocate_kv_cache(self.max_model_len)
+        self.runner.capture_cuda_graphs()
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, _Request] = {}

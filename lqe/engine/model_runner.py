@@ -7,15 +7,20 @@ for requests asking for prompt logprobs, every prompt position).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from lqe.config import EngineConfig
-from lqe.engine.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from lqe.engine.cuda_graph import CudaGraphRunner, batch_buckets
 from lqe.engine.scheduler import SchedulerOutput
-from lqe.layers.attention import Attention, select_backend
+from lqe.engine.step_inputs import StepInputBuilder, StepInputs, StepLayout
+from lqe.forward_context import ForwardContext, set_forward_context
+from lqe.kernels.attention_backends import select_backend
+from lqe.kernels.attention_plan import choose_num_splits
+from lqe.layers.attention import Attention
 from lqe.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from lqe.loaders.hf_config import ModelConfig
 from lqe.loaders.weights import iterate_weights, load_weights
@@ -56,7 +61,13 @@ class ModelRunner:
         self.attention_backend = backend.name
         self.sampler = Sampler()
         self.kv_cache: torch.Tensor | None = None
+        self.kv_caches: list[torch.Tensor] = []  # per-layer views of kv_cache
         self.num_blocks = 0
+        self.inputs: StepInputBuilder | None = None
+        self.graph_runner: CudaGraphRunner | None = None
+        # host-time accounting (benchmarks): when on, each step waits for the GPU before sampling and counts it
+        self.measure_gpu_wait = False
+        self.gpu_wait_s = 0.0
 
     # -- memory ---------------------------------------------------------------------------------------
     def weight_bytes(self) -> int:
@@ -91,53 +102,61 @@ class ModelRunner:
         c = self.model_cfg
         self.kv_cache = torch.zeros(c.num_hidden_layers, 2, num_blocks, self.block_size, c.num_key_value_heads,
                                     c.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_caches = list(self.kv_cache.unbind(0))
         self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
+        self.table_width = needed
+        tokens = max(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        seqs = self.config.max_num_seqs
+        self.inputs = StepInputBuilder(self.device, self.block_size,
+                                       StepLayout(tokens, seqs, needed, tokens).size)
+
+    def capture_cuda_graphs(self, runner_cls: type[CudaGraphRunner] = CudaGraphRunner) -> None:
+        """Capture the decode graphs (CUDA only, unless ``enforce_eager``); call after :meth:`allocate_kv_cache`.
+        ``runner_cls=EagerPaddedRunner`` runs the same padded decode path eagerly (any device: for tests)."""
+        if runner_cls is CudaGraphRunner and (self.device.type != "cuda" or self.config.enforce_eager):
+            return
+        kvh, dev, max_len = self.model_cfg.num_key_value_heads, self.device, self.max_model_len
+        self.graph_runner = runner_cls(
+            self.model, self.kv_caches, self.inputs, batch_buckets(self.config.max_num_seqs, self.config.max_cudagraph_batch),
+            self.table_width, max_len, self.block_size, lambda b: choose_num_splits(b, kvh, max_len, dev))
+        self.graph_runner.capture()
 
     # -- one step -------------------------------------------------------------------------------------
-    def prepare_inputs(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flattened token ids, positions and attention metadata of a scheduled step."""
-        input_ids, positions, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
-        bs = self.block_size
-        for s in sched.scheduled:
-            seq, start, n = s.seq, s.start, s.num_new_tokens
-            input_ids.extend(seq.all_token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            bt = seq.block_table
-            slots.extend(bt[p // bs] * bs + p % bs for p in range(start, start + n))
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(start + n)
-            tables.append(bt)
-        width = max(len(t) for t in tables)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
-            max_query_len=max(s.num_new_tokens for s in sched.scheduled),
-            max_seq_len=max(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, block_size=bs,
-        )
-        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev), meta)
+    def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
+        """The step's flattened inputs and attention metadata (one host-to-device copy on CUDA)."""
+        return self.inputs.build(sched)
 
     @torch.inference_mode()
-    def forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+    def forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
         """Run the model on a scheduled step (K/V land in the cache); returns hidden states ``[T, hidden]``
-        and the host copy of ``query_start_loc``."""
-        input_ids, positions, meta = self.prepare_inputs(sched)
-        with set_forward_context(ForwardContext(meta, list(self.kv_cache.unbind(0)))):
-            hidden = self.model(input_ids, positions)
-        return hidden, meta.query_start_loc_cpu
+        and the step's inputs."""
+        inp = self.prepare_inputs(sched)
+        with set_forward_context(ForwardContext(inp.meta, self.kv_caches)):
+            hidden = self.model(inp.input_ids, inp.positions)
+        return hidden, inp
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, sampling: SamplingBatch | None) -> StepResult:
-        hidden, qsl = self.forward(sched)
-        sample_rows = [qsl[i + 1] - 1 for i, s in enumerate(sched.scheduled) if s.samples]
+        if self.graph_runner is not None:
+            logits = self.graph_runner.run(sched)
+            if logits is not None:
+                self._wait_for_gpu()
+                return StepResult(self.sampler(logits, sampling), {})
+        hidden, inp = self.forward(sched)
         sampled = None
-        if sample_rows:
-            logits = self.model.compute_logits(hidden[sample_rows])
+        if inp.num_sample:
+            rows = hidden if inp.sample_rows is None else hidden[inp.sample_rows]
+            logits = self.model.compute_logits(rows)
+            self._wait_for_gpu()
             sampled = self.sampler(logits, sampling)
-        return StepResult(sampled, self._prompt_logprobs(sched, hidden, qsl))
+        return StepResult(sampled, self._prompt_logprobs(sched, hidden, inp.meta.query_start_loc_cpu))
+
+    def _wait_for_gpu(self) -> None:
+        if self.measure_gpu_wait and self.device.type == "cuda":
+            t0 = time.perf_counter()
+            torch.cuda.synchronize(self.device)
+            self.gpu_wait_s += time.perf_counter() - t0
 
     def _prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor, qsl: list[int]):
         result: dict[int, list[tuple[int, dict[int, tuple[float, int]]]]] = {}

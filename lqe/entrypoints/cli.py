@@ -16,6 +16,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV-cache budget (CPU default 1 GiB)")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: run every step eagerly (no decode CUDA graphs)")
+    p.add_argument("--max-cudagraph-batch", type=int, default=256,
+                   help="largest decode batch replayed from a CUDA graph (default 256, capped by --max-num-seqs)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -31,7 +34,8 @@ def _llm(args):
 
     return LLM(args.model, quantization=args.quantization, dtype=args.dtype, device=args.device,
                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-               kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+               kv_cache_memory_bytes=args.kv_cache_memory_bytes, enforce_eager=args.enforce_eager,
+               max_cudagraph_batch=args.max_cudagraph_batch)
 
 
 def _params(args):

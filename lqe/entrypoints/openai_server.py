@@ -141,7 +141,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--enforce-eager", action="store_true", default=None)
+    parser.add_argument("--enforce-eager", action="store_true", default=None,
+                        help="CUDA: run every step eagerly (no decode CUDA graphs)")
+    parser.add_argument("--max-cudagraph-batch", type=int, default=None,
+                        help="largest decode batch replayed from a CUDA graph (default 256)")
     parser.add_argument("--trust-remote-code", action="store_true", default=None)
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
@@ -149,7 +152,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 _ENGINE_ARGS = ("quantization", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization", "tokenizer", "seed",
-                "enforce_eager", "trust_remote_code")
+                "enforce_eager", "max_cudagraph_batch", "trust_remote_code")
 
 
 def build_engine(args: argparse.Namespace) -> AsyncEngine:

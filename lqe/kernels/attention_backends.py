@@ -1,5 +1,6 @@
-"""GPU attention backends, registered with ``lqe.layers.attention`` when their packages import.
+"""Attention backends and their registry: which kernel computes paged attention on which device.
 
+* ``torch``: the reference (``attention_ref``), everywhere.
 * ``triton``: lqe's own kernels (``triton_attention``): KV store, prefill over a cached prefix, split-K decode.
   Registered when triton imports and CUDA is available, or when ``LQE_ATTENTION_BACKEND=triton`` forces it
   (with ``TRITON_INTERPRET=1`` it then runs on CPU tensors, slowly: for tests).
@@ -8,16 +9,18 @@
   the triton kernels (or the torch reference when triton is absent), so it is always correct.
 
 Importing this module never raises: a missing or broken package just means its backend is not registered.
+``LQE_ATTENTION_BACKEND`` forces one. The layer (``lqe.layers.attention.Attention``) only holds a backend
+object; this module never imports the layer.
 """
 from __future__ import annotations
 
 import os
+from typing import Callable, Protocol
 
 import torch
 
-from lqe.engine.forward_context import AttentionMetadata
-from lqe.layers import paged_attention_ref as ref
-from lqe.layers.attention import register_backend
+from lqe.forward_context import AttentionMetadata
+from lqe.kernels import attention_ref as ref
 
 try:
     from lqe.kernels import triton_attention as _ta
@@ -30,6 +33,22 @@ except Exception:  # noqa: BLE001
     flash_attn_varlen_func = flash_attn_with_kvcache = None
 
 FLASH_ATTN_BLOCK_MULTIPLE = 256
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """``query [T, H, D]``, ``key``/``value`` ``[T, KVH, D]`` -> ``[T, H, D]``; stores K/V first."""
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def forward(self, query, key, value, kv_cache, meta, scale):
+        ref.store_kv(key, value, kv_cache, meta.slot_mapping)
+        return ref.paged_attention_ref(query, kv_cache, meta, scale)
 
 
 class TritonAttentionBackend:
@@ -101,6 +120,13 @@ def _fallback(query, key, value, kv_cache, meta, scale):
     return ref.paged_attention_ref(query, kv_cache, meta, scale)
 
 
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": TorchAttentionBackend}
+
+
+def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
+    _BACKENDS[name] = factory
+
+
 def _register() -> None:
     forced = os.environ.get("LQE_ATTENTION_BACKEND", "")
     cuda = torch.cuda.is_available()
@@ -111,3 +137,17 @@ def _register() -> None:
 
 
 _register()
+
+
+def select_backend(device: torch.device) -> AttentionBackend:
+    """``LQE_ATTENTION_BACKEND`` when set; on CUDA flash_attn, else triton; the torch reference otherwise."""
+    forced = os.environ.get("LQE_ATTENTION_BACKEND")
+    if forced:
+        if forced not in _BACKENDS:
+            raise ValueError(f"LQE_ATTENTION_BACKEND={forced!r} is not available; available: {sorted(_BACKENDS)}")
+        return _BACKENDS[forced]()
+    if device.type == "cuda":
+        for name in ("flash_attn", "triton"):
+            if name in _BACKENDS:
+                return _BACKENDS[name]()
+    return TorchAttentionBackend()

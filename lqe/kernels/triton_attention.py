@@ -1,6 +1,6 @@
 """Triton kernels for paged attention: KV store, prefill over a cached prefix, split-K decode (+ reduce).
 
-Layout (see ``lqe.engine.forward_context``): ``query [T, H, D]``, ``kv_cache [2, num_blocks, block_size, KVH, D]``.
+Layout (see ``lqe.forward_context``): ``query [T, H, D]``, ``kv_cache [2, num_blocks, block_size, KVH, D]``.
 A step may mix decode rows (query length 1) and prefill rows (a chunk of new tokens after ``seq_len - q_len``
 cached ones). Both kernels are launched over every sequence and each one skips the rows the other owns, so no
 host-side partitioning is needed; the decode kernel alone never reads host data, so a decode-only step can be
@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lqe.engine.forward_context import AttentionMetadata
+from lqe.forward_context import AttentionMetadata
+from lqe.kernels.attention_plan import choose_num_splits
 
 _LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -214,26 +215,6 @@ def _decode_reduce_kernel(Out, PartOut, PartLse, QueryStart, stride_ot, stride_o
 
 
 # --------------------------------------------------------------------------------------------- host side
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 16
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
-                      min_tokens_per_split: int = 256, max_splits: int = 32) -> int:
-    """Split long contexts until the grid covers the GPU about twice; never below ``min_tokens_per_split``."""
-    by_len = max(1, math.ceil(max_seq_len / min_tokens_per_split))
-    by_occupancy = max(1, math.ceil(2 * _sm_count(device) / max(1, num_seqs * num_kv_heads)))
-    return int(min(by_len, by_occupancy, max_splits))
-
-
 def _check_cache(kv_cache: torch.Tensor) -> None:
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise ValueError(f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim]; got {tuple(kv_cache.shape)}")
@@ -298,7 +279,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     if not has_decode:
         return out
 
-    splits = num_splits or choose_num_splits(b, num_kv_heads, meta.max_seq_len, query.device)
+    splits = num_splits or meta.num_splits or choose_num_splits(b, num_kv_heads, meta.max_seq_len, query.device)
     block_h = max(16, triton.next_power_of_2(group))
     block_n = 64 if block_d <= 128 else 32
     if splits > 1:

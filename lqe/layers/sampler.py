@@ -88,23 +88,30 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        greedy = batch.temperature == 0
+        wants_logprobs = any(n is not None for n in batch.num_logprobs)
+        if (bool(greedy.all()) and not wants_logprobs and not any(batch.banned_token_ids)
+                and not batch.needs_penalties):
+            # the common greedy step: argmax of the raw logits, one device-to-host copy
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * logits.shape[0])
         logits = logits.float()
-        raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in batch.num_logprobs) else None
+        raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
         if batch.needs_penalties:
             logits = apply_penalties(logits, batch)
         for i, banned in enumerate(batch.banned_token_ids):
             if banned:
                 logits[i, banned] = float("-inf")
-        greedy = batch.temperature == 0
-        temp = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature).to(logits.device)
-        logits = logits / temp[:, None]
-        logits = apply_top_k_top_p_min_p(logits, batch.top_k, batch.top_p, batch.min_p)
-        probs = logits.softmax(dim=-1)
-        tokens = probs.argmax(dim=-1)
-        for i in torch.nonzero(~greedy).flatten().tolist():
-            # exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p
-            e = torch.empty_like(probs[i]).exponential_(generator=batch.generators[i])
-            tokens[i] = (probs[i] / e).argmax()
+        tokens = logits.argmax(dim=-1)  # the greedy rows' answer (top-k/p/min-p never drop the top token)
+        rows = torch.nonzero(~greedy).flatten().tolist()
+        if rows:
+            idx = torch.tensor(rows, device=logits.device)
+            sub = logits[idx] / batch.temperature[rows].to(logits.device)[:, None]
+            sub = apply_top_k_top_p_min_p(sub, batch.top_k[rows], batch.top_p[rows], batch.min_p[rows])
+            probs = sub.softmax(dim=-1)
+            for j, i in enumerate(rows):
+                # exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p
+                e = torch.empty_like(probs[j]).exponential_(generator=batch.generators[i])
+                tokens[i] = (probs[j] / e).argmax()
         token_list = tokens.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(token_list)
         if raw_logprobs is not None:

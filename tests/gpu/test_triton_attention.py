@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lqe.engine.forward_context import AttentionMetadata
-from lqe.layers import paged_attention_ref as ref
+from lqe.forward_context import AttentionMetadata
+from lqe.kernels import attention_ref as ref
 
 ATOL = {torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 4e-2}
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import torch
 
-from lqe.engine.forward_context import AttentionMetadata
+from lqe.forward_context import AttentionMetadata
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write ``key``/``value`` ``[T, KVH, D]`` into the paged cache at ``slot_mapping`` (``-1`` = skip)."""
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
+    slot_mapping = slot_mapping.long()
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]

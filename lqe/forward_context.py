@@ -27,6 +27,8 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
+    # decode split count fixed by the caller (a CUDA graph, whose grid cannot follow max_seq_len); None: choose
+    num_splits: int | None = None
 
     @property
     def num_seqs(self) -> int:

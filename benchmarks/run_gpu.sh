@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The one command for a fresh GPU machine (no pip install, no internet):
+#   1. build the lqe CUDA kernels for this GPU only,
+#   2. run every GPU test (pytest -m gpu),
+#   3. the kernel benchmark (benchmarks/kernels.py),
+#   4. the end-to-end smoke benchmark (benchmarks/e2e_gpu.py --quick),
+# then write benchmarks/results/gpu-<gpu>.json = {commit, device, torch, tests: {passed, failed, skipped,
+# failed_ids}, build_seconds, stages} beside kernels-<gpu>.json and e2e-<gpu>.json. A failing stage is reported
+# and the next one still runs; the exit status is non-zero when any stage failed or any test failed.
+#
+#   bash benchmarks/run_gpu.sh                 # results in benchmarks/results/
+#   OUT=/some/dir bash benchmarks/run_gpu.sh   # results (and logs) in /some/dir
+#   LQE_COMMIT=abc1234 ...                     # the commit measured, where the tree has no .git
+# Stage time limits (seconds): LQE_TEST_TIMEOUT (300), LQE_KERNELS_TIMEOUT (150), LQE_E2E_TIMEOUT (240).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUTDIR="${OUT:-benchmarks/results}"; mkdir -p "$OUTDIR"
+LOGDIR="$OUTDIR/logs"; mkdir -p "$LOGDIR"
+status=0
+declare -A stage_rc
+
+if ! python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "run_gpu.sh: no CUDA GPU visible (torch.cuda.is_available() is False); nothing was run." >&2
+  exit 2
+fi
+SLUG=$(python -c "import re,torch;print(re.sub(r'[^a-z0-9]+','-',torch.cuda.get_device_name(0).lower()).strip('-'))")
+if [[ -z "${LQE_CUDA_ARCHS:-}" ]]; then  # build only for this GPU (sm_90a on Hopper: wgmma)
+  LQE_CUDA_ARCHS=$(python -c "import torch;c=torch.cuda.get_device_capability();print(f'{c[0]}{c[1]}'+('a' if c[0]==9 else ''))")
+  export LQE_CUDA_ARCHS
+fi
+
+echo "== [1/4] build the CUDA kernels ($LQE_CUDA_ARCHS)"
+t0=$(date +%s.%N)
+python -c "import logging,sys;logging.basicConfig(level=logging.INFO);import lqe.kernels as k;ok=k.available();print('lqe kernels available:',ok,k.unavailable_reason() or '');sys.exit(0 if ok else 1)" \
+  2>&1 | tee "$LOGDIR/build.log"
+stage_rc[build]=${PIPESTATUS[0]}
+BUILD_S=$(python -c "import time;print(round(time.time()-$t0,1))")
+
+echo "== [2/4] GPU tests"
+timeout "${LQE_TEST_TIMEOUT:-300}" python -m pytest -m gpu tests -q -p no:cacheprovider \
+  --junitxml="$LOGDIR/gpu-tests.xml" 2>&1 | tee "$LOGDIR/gpu-tests.txt" | tail -40
+stage_rc[tests]=${PIPESTATUS[0]}
+
+echo "== [3/4] kernel benchmark"
+timeout "${LQE_KERNELS_TIMEOUT:-150}" python benchmarks/kernels.py --out "$OUTDIR/kernels-$SLUG.json" 2>&1 \
+  | tee "$LOGDIR/kernels.txt" | tail -60
+stage_rc[kernels]=${PIPESTATUS[0]}
+
+echo "== [4/4] end-to-end benchmark (--quick)"
+timeout "${LQE_E2E_TIMEOUT:-240}" python benchmarks/e2e_gpu.py --quick --out-dir "$OUTDIR" ${LQE_E2E_ARGS:-} 2>&1 \
+  | tee "$LOGDIR/e2e.txt" | grep -v "^\[lqe" | tail -30
+stage_rc[e2e]=${PIPESTATUS[0]}
+
+python - "$OUTDIR/gpu-$SLUG.json" "$LOGDIR/gpu-tests.xml" "$BUILD_S" "${stage_rc[build]}" "${stage_rc[tests]}" \
+  "${stage_rc[kernels]}" "${stage_rc[e2e]}" <<'EOF'
+import json, os, subprocess, sys
+import xml.etree.ElementTree as ET
+
+import torch
+
+out, xml_path, build_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
+rcs = dict(zip(("build", "tests", "kernels", "e2e"), map(int, sys.argv[4:8])))
+tests = {"passed": 0, "failed": 0, "skipped": 0, "failed_ids": []}
+if os.path.exists(xml_path):
+    for case in ET.parse(xml_path).getroot().iter("testcase"):
+        cid = f"{case.get('classname')}::{case.get('name')}"
+        if case.find("failure") is not None or case.find("error") is not None:
+            tests["failed"] += 1
+            tests["failed_ids"].append(cid)
+        elif case.find("skipped") is not None:
+            tests["skipped"] += 1
+        else:
+            tests["passed"] += 1
+commit = os.environ.get("LQE_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                        text=True).stdout.strip() or None
+report = {"commit": commit, "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+          "cuda": torch.version.cuda, "build_seconds": build_s, "tests": tests,
+          "stages": {k: ("ok" if v == 0 else f"exit {v}" + (" (timed out)" if v in (124, 137) else "")) for k, v in rcs.items()}}
+try:
+    import triton
+    report["triton"] = triton.__version__
+except ImportError:
+    pass
+with open(out, "w") as f:
+    json.dump(report, f, indent=1)
+print(f"== summary ({out}): tests {tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped; "
+      f"build {build_s:.0f}s; stages {report['stages']}")
+for cid in tests["failed_ids"][:30]:
+    print("   FAILED", cid)
+sys.exit(1 if tests["failed"] or any(rcs.values()) else 0)
+EOF
+status=$?
+exit $status

@@ -1,0 +1,35 @@
+"""The package's import directions (DESIGN.md layout): layers never import the engine, kernels never import
+layers or the engine, and the forward context sits at the package top level where both can reach it."""
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "lqe"
+
+FORBIDDEN = {  # package -> packages its modules must not import
+    "layers": ("lqe.engine", "lqe.entrypoints", "lqe.llm"),
+    "kernels": ("lqe.engine", "lqe.layers", "lqe.entrypoints", "lqe.models", "lqe.llm"),
+    "quant_layers": ("lqe.engine", "lqe.entrypoints", "lqe.models", "lqe.llm"),
+    "models": ("lqe.engine", "lqe.entrypoints", "lqe.llm"),
+}
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_import_directions(package):
+    bad = []
+    for path in sorted((PKG / package).rglob("*.py")):
+        for name in _imports(path):
+            if any(name == f or name.startswith(f + ".") for f in FORBIDDEN[package]):
+                bad.append(f"{path.relative_to(PKG.parent)} imports {name}")
+    assert not bad, "\n".join(bad)
