@@ -12,13 +12,13 @@
 #   OUT=/some/dir bash benchmarks/run_gpu.sh   # results (and logs) in /some/dir
 #   LQE_COMMIT=abc1234 ...                     # the commit measured, where the tree has no .git
 # Stage time limits (seconds): LQE_TEST_TIMEOUT (300), LQE_KERNELS_TIMEOUT (150), LQE_E2E_TIMEOUT (240).
+# LQE_SKIP="kernels e2e" skips stages by name (reported as "skipped"); LQE_TESTS="tests/gpu/x.py" narrows stage 2.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUTDIR="${OUT:-benchmarks/results}"; mkdir -p "$OUTDIR"
 LOGDIR="$OUTDIR/logs"; mkdir -p "$LOGDIR"
-status=0
-declare -A stage_rc
+declare -A stage_rc=([build]=1 [tests]=1 [kernels]=1 [e2e]=1)
 
 if ! python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "run_gpu.sh: no CUDA GPU visible (torch.cuda.is_available() is False); nothing was run." >&2
@@ -37,20 +37,28 @@ python -c "import logging,sys;logging.basicConfig(level=logging.INFO);import lqe
 stage_rc[build]=${PIPESTATUS[0]}
 BUILD_S=$(python -c "import time;print(round(time.time()-$t0,1))")
 
+skip() { [[ " ${LQE_SKIP:-} " == *" $1 "* ]] && stage_rc[$1]=-1; }
+
 echo "== [2/4] GPU tests"
-timeout "${LQE_TEST_TIMEOUT:-300}" python -m pytest -m gpu tests -q -p no:cacheprovider \
-  --junitxml="$LOGDIR/gpu-tests.xml" 2>&1 | tee "$LOGDIR/gpu-tests.txt" | tail -40
-stage_rc[tests]=${PIPESTATUS[0]}
+if ! skip tests; then
+  timeout "${LQE_TEST_TIMEOUT:-300}" python -m pytest -m gpu ${LQE_TESTS:-tests} -q -p no:cacheprovider \
+    --junitxml="$LOGDIR/gpu-tests.xml" 2>&1 | tee "$LOGDIR/gpu-tests.txt" | tail -40
+  stage_rc[tests]=${PIPESTATUS[0]}
+fi
 
 echo "== [3/4] kernel benchmark"
-timeout "${LQE_KERNELS_TIMEOUT:-150}" python benchmarks/kernels.py --out "$OUTDIR/kernels-$SLUG.json" 2>&1 \
-  | tee "$LOGDIR/kernels.txt" | tail -60
-stage_rc[kernels]=${PIPESTATUS[0]}
+if ! skip kernels; then
+  timeout "${LQE_KERNELS_TIMEOUT:-150}" python benchmarks/kernels.py --out "$OUTDIR/kernels-$SLUG.json" 2>&1 \
+    | tee "$LOGDIR/kernels.txt" | tail -60
+  stage_rc[kernels]=${PIPESTATUS[0]}
+fi
 
 echo "== [4/4] end-to-end benchmark (--quick)"
-timeout "${LQE_E2E_TIMEOUT:-240}" python benchmarks/e2e_gpu.py --quick --out-dir "$OUTDIR" ${LQE_E2E_ARGS:-} 2>&1 \
-  | tee "$LOGDIR/e2e.txt" | grep -v "^\[lqe" | tail -30
-stage_rc[e2e]=${PIPESTATUS[0]}
+if ! skip e2e; then
+  timeout "${LQE_E2E_TIMEOUT:-240}" python benchmarks/e2e_gpu.py --quick --out-dir "$OUTDIR" ${LQE_E2E_ARGS:-} 2>&1 \
+    | tee "$LOGDIR/e2e.txt" | grep -v "^\[lqe" | tail -30
+  stage_rc[e2e]=${PIPESTATUS[0]}
+fi
 
 python - "$OUTDIR/gpu-$SLUG.json" "$LOGDIR/gpu-tests.xml" "$BUILD_S" "${stage_rc[build]}" "${stage_rc[tests]}" \
   "${stage_rc[kernels]}" "${stage_rc[e2e]}" <<'EOF'
@@ -76,7 +84,8 @@ commit = os.environ.get("LQE_COMMIT") or subprocess.run(["git", "rev-parse", "--
                                                         text=True).stdout.strip() or None
 report = {"commit": commit, "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
           "cuda": torch.version.cuda, "build_seconds": build_s, "tests": tests,
-          "stages": {k: ("ok" if v == 0 else f"exit {v}" + (" (timed out)" if v in (124, 137) else "")) for k, v in rcs.items()}}
+          "stages": {k: ("ok" if v == 0 else "skipped" if v == -1 else f"exit {v}" + (" (timed out)" if v in (124, 137) else ""))
+                     for k, v in rcs.items()}}
 try:
     import triton
     report["triton"] = triton.__version__
@@ -88,7 +97,6 @@ print(f"== summary ({out}): tests {tests['passed']} passed, {tests['failed']} fa
       f"build {build_s:.0f}s; stages {report['stages']}")
 for cid in tests["failed_ids"][:30]:
     print("   FAILED", cid)
-sys.exit(1 if tests["failed"] or any(rcs.values()) else 0)
+sys.exit(1 if tests["failed"] or any(v > 0 for v in rcs.values()) else 0)
 EOF
-status=$?
-exit $status
+exit $?
