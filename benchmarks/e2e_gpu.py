@@ -28,6 +28,7 @@ fails the variant is skipped with the reason printed.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -249,17 +250,26 @@ def run_variant(model_dir: Path, args, vocab: int) -> dict:
     row["throughput_tok_s"], row["total_tok_s"] = throughput(llm, SamplingParams, args.num_requests, vocab, args.seed)
     row["weight_bytes"] = decode_weight_bytes(llm)
     row["weight_gbps_bs1"] = row["weight_bytes"] * row["decode_tok_s_bs1"] / 1e9
-    del llm
-    torch.cuda.empty_cache()
+    del llm, runner
+    _free_gpu()
     if not args.no_eager:
-        llm = _llm(model_dir, args, eager=True)
-        row.update(_decode_columns(llm, args, vocab, "_eager"))
-        if "gpu_ms_step_bs1" in row:
-            row["gpu_busy_bs1_eager"] = row["gpu_ms_step_bs1"] * row["decode_tok_s_bs1_eager"] / 1e3
-        row["graph_speedup_bs1"] = row["decode_tok_s_bs1"] / row["decode_tok_s_bs1_eager"]
-        del llm
-        torch.cuda.empty_cache()
+        try:
+            llm = _llm(model_dir, args, eager=True)
+            row.update(_decode_columns(llm, args, vocab, "_eager"))
+            if "gpu_ms_step_bs1" in row:
+                row["gpu_busy_bs1_eager"] = row["gpu_ms_step_bs1"] * row["decode_tok_s_bs1_eager"] / 1e3
+            row["graph_speedup_bs1"] = row["decode_tok_s_bs1"] / row["decode_tok_s_bs1_eager"]
+        except Exception as e:  # noqa: BLE001 -- keep the graph columns
+            row["eager_error"] = f"{type(e).__name__}: {e}"
+        llm = None
+        _free_gpu()
     return row
+
+
+def _free_gpu() -> None:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
 
 
 # ------------------------------------------------------------------------------------------------ main

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one command for a fresh GPU machine (no pip install, no internet):
 #   1. build the lqe CUDA kernels for this GPU only,
-#   2. run every GPU test (pytest -m gpu),
+#   2. run every GPU test (pytest -m gpu tests/gpu: every gpu-marked test lives there, as tests/test_layering.py
+#      checks; the CPU tests need packages a GPU machine may lack, e.g. openai),
 #   3. the kernel benchmark (benchmarks/kernels.py),
 #   4. the end-to-end smoke benchmark (benchmarks/e2e_gpu.py --quick),
 # then write benchmarks/results/gpu-<gpu>.json = {commit, device, torch, tests: {passed, failed, skipped,
@@ -41,7 +42,7 @@ skip() { [[ " ${LQE_SKIP:-} " == *" $1 "* ]] && stage_rc[$1]=-1; }
 
 echo "== [2/4] GPU tests"
 if ! skip tests; then
-  timeout "${LQE_TEST_TIMEOUT:-300}" python -m pytest -m gpu ${LQE_TESTS:-tests} -q -p no:cacheprovider \
+  timeout "${LQE_TEST_TIMEOUT:-300}" python -m pytest -m gpu ${LQE_TESTS:-tests/gpu} -q -p no:cacheprovider \
     --junitxml="$LOGDIR/gpu-tests.xml" 2>&1 | tee "$LOGDIR/gpu-tests.txt" | tail -40
   stage_rc[tests]=${PIPESTATUS[0]}
 fi

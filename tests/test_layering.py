@@ -33,3 +33,12 @@ def test_import_directions(package):
             if any(name == f or name.startswith(f + ".") for f in FORBIDDEN[package]):
                 bad.append(f"{path.relative_to(PKG.parent)} imports {name}")
     assert not bad, "\n".join(bad)
+
+
+def test_gpu_tests_live_in_tests_gpu():
+    """benchmarks/run_gpu.sh runs ``pytest -m gpu tests/gpu``: a gpu-marked test elsewhere would never run."""
+    tests = PKG.parent / "tests"
+    stray = [str(p.relative_to(tests)) for p in tests.rglob("*.py")
+             if "gpu" not in p.relative_to(tests).parts[:1] and p.name != "test_layering.py"
+             and "mark." + "gpu" in p.read_text()]
+    assert not stray, stray

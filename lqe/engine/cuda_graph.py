@@ -87,13 +87,13 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         dev = self.inputs.device_buf
+        stream = torch.cuda.Stream()  # one side stream for every warm-up (each new stream gets its own cuBLAS workspace)
         for b in sorted(self.buckets, reverse=True):
             lay = StepLayout(b, b, self.width, 0)
             # dummy inputs: every row a padding row (slot -1, seq_len 0), so capture writes nothing to the cache
             ids, pos, slots, qsl, lens, tables, _ = views(dev, lay)
             ids.zero_(), pos.zero_(), slots.fill_(-1), lens.zero_(), tables.zero_()
             qsl.copy_(torch.arange(b + 1, dtype=torch.int32, device=dev.device))
-            stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up outside the graph: JIT builds, autotuning, lazily allocated buffers
