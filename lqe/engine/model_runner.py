@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lqe.config import EngineConfig
-from lqe.engine.cuda_graph import CudaGraphRunner, batch_buckets
+from lqe.engine.cuda_graph import CudaGraphRunner, batch_buckets, bucket_for
 from lqe.engine.scheduler import SchedulerOutput
 from lqe.engine.step_inputs import StepInputBuilder, StepInputs, StepLayout
 from lqe.forward_context import ForwardContext, set_forward_context
@@ -111,15 +111,22 @@ class ModelRunner:
         self.inputs = StepInputBuilder(self.device, self.block_size,
                                        StepLayout(tokens, seqs, needed, tokens).size)
 
+    def decode_splits(self, num_seqs: int) -> int:
+        """Split count of the decode attention for a step of ``num_seqs`` sequences: a function of the batch's
+        graph bucket and ``max_model_len`` only, so an eager step and a graph replay of the same batch split
+        (and round) the same way, whatever the current sequence lengths."""
+        buckets = batch_buckets(self.config.max_num_seqs, self.config.max_cudagraph_batch)
+        b = bucket_for(num_seqs, buckets) or num_seqs
+        return choose_num_splits(b, self.model_cfg.num_key_value_heads, self.max_model_len, self.device)
+
     def capture_cuda_graphs(self, runner_cls: type[CudaGraphRunner] = CudaGraphRunner) -> None:
         """Capture the decode graphs (CUDA only, unless ``enforce_eager``); call after :meth:`allocate_kv_cache`.
         ``runner_cls=EagerPaddedRunner`` runs the same padded decode path eagerly (any device: for tests)."""
         if runner_cls is CudaGraphRunner and (self.device.type != "cuda" or self.config.enforce_eager):
             return
-        kvh, dev, max_len = self.model_cfg.num_key_value_heads, self.device, self.max_model_len
         self.graph_runner = runner_cls(
             self.model, self.kv_caches, self.inputs, batch_buckets(self.config.max_num_seqs, self.config.max_cudagraph_batch),
-            self.table_width, max_len, self.block_size, lambda b: choose_num_splits(b, kvh, max_len, dev))
+            self.table_width, self.max_model_len, self.block_size, self.decode_splits)
         self.graph_runner.capture()
 
     # -- one step -------------------------------------------------------------------------------------
@@ -132,6 +139,8 @@ class ModelRunner:
         """Run the model on a scheduled step (K/V land in the cache); returns hidden states ``[T, hidden]``
         and the step's inputs."""
         inp = self.prepare_inputs(sched)
+        if self.device.type == "cuda":
+            inp.meta.num_splits = self.decode_splits(inp.meta.num_seqs)
         with set_forward_context(ForwardContext(inp.meta, self.kv_caches)):
             hidden = self.model(inp.input_ids, inp.positions)
         return hidden, inp
