@@ -87,6 +87,7 @@ def candidates(k: int, n: int):
         p4 = rotating(make_w4, w4bytes)
         for name, path in [("lqe-w4a16", "auto"), ("lqe-w4a16-fused", "fused"), ("lqe-w4a16-dequant", "dequant")]:
             out[name] = ((lambda path: lambda x: (lambda p=cycler(p4): lambda: lk.wna16_gemm(x, p(), path=path))())(path), w4bytes)
+        add_wna16_candidates(out, k, n, p4, w4bytes)
 
         def make_w8():
             wq = torch.randint(-127, 128, (k, n), dtype=torch.int8, device=dev)
@@ -116,6 +117,7 @@ def candidates(k: int, n: int):
     wi8 = rotating(lambda: torch.randint(-127, 128, (n, k), dtype=torch.int8, device=dev).t(), k * n)
     out["torch-int-mm"] = (lambda x: (lambda xq=torch.randint(-127, 128, x.shape, dtype=torch.int8, device=dev),
                                              c=cycler(wi8): lambda: torch._int_mm(xq, c()))(), k * n)
+    add_w8a8_candidates(out, k, n, wi8)
     if w8a8.fp8_supported() is None:
         f8 = rotating(lambda: w8a8.fp8_quantize_weight(torch.randn(k, n, device=dev) * 0.02), k * n)
 
@@ -127,11 +129,173 @@ def candidates(k: int, n: int):
     return out
 
 
+def add_wna16_candidates(out: dict, k: int, n: int, p4: list, w4bytes: int) -> None:
+    """Triton W4A16 rows on the same packed weights as lqe-w4a16 (lqe/kernels/triton_wna16.py): the GEMM with
+    its table config, dequantize + cuBLAS, and the dequantize kernel alone (bytes: packed read + bf16 write)."""
+    import lqe.kernels as lk
+    from lqe.kernels import triton_wna16 as tw
+
+    if tw.unavailable_reason("cuda") is not None:
+        print(f"# triton-wna16 skipped: {tw.unavailable_reason('cuda')}")
+        return
+    for name, path in [("triton-wna16", "triton-wna16"), ("triton-dequant+cublas", "triton-dequant+cublas")]:
+        out[name] = ((lambda path: lambda x: (lambda p=cycler(p4): lambda: lk.wna16_gemm(x, p(), path=path))())(path),
+                     w4bytes)
+    wbuf = torch.empty(k, n, device="cuda", dtype=torch.bfloat16)
+    out["triton-dequant-only"] = ((lambda x: (lambda p=cycler(p4): lambda: tw.dequantize(p(), wbuf))()),
+                                  w4bytes + k * n * 2)
+
+
+def wna16_sweep(shapes: list[str], ms: list[int]) -> list[dict]:
+    """Time every candidate config of lqe/kernels/triton_wna16.py (sweep_configs) per shape and M, beside cuBLAS
+    bf16, the CUDA GEMM, Triton dequantize + cuBLAS and the current table, all in this run; print the best per M,
+    the geometric mean over shapes and the bytes floor (packed weights + scales + x + y at d2d copy speed)."""
+    import lqe.kernels as lk
+    from lqe.kernels import triton_wna16 as tw
+    from lqe.quant_layers.canonical import CanonicalWeight
+
+    copy_gbps = copy_bandwidth()
+    rows, by_m = [], {}
+    for shape in shapes:
+        k, n = map(int, shape.split("x"))
+        wb = rotating(lambda: torch.randn(k, n, device="cuda", dtype=torch.bfloat16) * 0.02, k * n * 2)
+
+        def make_w4():
+            cw = CanonicalWeight(torch.randint(0, 16, (k, n), dtype=torch.uint8, device="cuda"),
+                                 torch.rand(k // 128, n, device="cuda") * 0.01 + 1e-3, None, None, 4, 128)
+            return lk.select_w4a16_kernel(cw, "cuda", torch.bfloat16)[0].packed
+        p4 = rotating(make_w4, k * n // 2)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            o = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            floor_us = tw.flops_bytes(m, n, k, 4, 128, False)[1] / (copy_gbps * 1e3)
+            base = bench((lambda c=cycler(wb): lambda: torch.matmul(x, c()))())
+            timed = {}
+            paths = [("table", "auto"), ("triton-dequant+cublas", "triton-dequant+cublas")]
+            if lk.available():
+                paths += [("lqe-wna16-fused", "fused")]
+            for nm, path in paths:
+                timed[nm] = bench((lambda c=cycler(p4), path=path: lambda: lk.wna16_gemm(x, c(), out=o, path=path))())
+            for cfg in tw.sweep_configs(m):
+                try:
+                    timed[f"triton-wna16:{cfg.label()}"] = bench((lambda c=cycler(p4), cfg=cfg: lambda: lk.wna16_gemm(
+                        x, c(), out=o, path="triton-wna16", config=cfg))(), reps=30)
+                except Exception as e:  # noqa: BLE001 -- a config that does not compile / fit is skipped
+                    print(f"# {shape} M={m} {cfg.label()}: {type(e).__name__}: {str(e)[:100]}")
+            order = sorted(timed.items(), key=lambda kv: kv[1])
+            print(f"# wna16 sweep {shape} M={m}: cublas-bf16 {base:.2f} us, bytes floor {floor_us:.2f} us; best: "
+                  + ", ".join(f"{nm} {us:.2f} us {base / us:.2f}x" for nm, us in order[:4]))
+            for nm, us in timed.items():
+                rows.append({"kernel": nm, "shape": shape, "m": m, "us": round(us, 2), "bf16_us": round(base, 2),
+                             "floor_us": round(floor_us, 2), "speedup_vs_cublas": round(base / us, 3)})
+                by_m.setdefault(m, {}).setdefault(nm, []).append(base / us)
+        del wb, p4
+        torch.cuda.empty_cache()
+    print("# W4A16 sweep: geometric-mean speed-up over cuBLAS bf16 across shapes, best 4 per M")
+    for m, d in by_m.items():
+        full = {nm: v for nm, v in d.items() if len(v) == len(shapes)}
+        gm = sorted(((math.exp(sum(map(math.log, v)) / len(v)), nm) for nm, v in full.items()), reverse=True)
+        print(f"#   M={m:5d}: " + ", ".join(f"{nm} {g:.2f}x" for g, nm in gm[:4]))
+    return rows
+
+
+def add_w8a8_candidates(out: dict, k: int, n: int, wi8: list) -> None:
+    """W8A8 int8 rows on the checkpoint layout (int8 [N, K], the same rotating weights as torch-int-mm):
+    triton-w8a8 (table config), int-mm+epilogue (cuBLASLt + Triton epilogue), and w8a8-table+quant: the per-token
+    quantization plus the kernel W8A8_TABLE picks for M, i.e. what a model's layer pays."""
+    from lqe.kernels import w8a8
+
+    try:
+        from lqe.kernels import triton_w8a8 as tw
+    except Exception as e:  # noqa: BLE001
+        print(f"# triton-w8a8 skipped: {type(e).__name__}: {str(e)[:120]}")
+        return
+    dev = "cuda"
+    ws = torch.rand(n, device=dev) * 0.01
+    tw.reserve_workspace(dev, tw.workspace_rows(), n)
+
+    def setup(x, path="triton", cfg=None):
+        q, s, _ = w8a8.quantize_per_token_any(x)
+        c = cycler(wi8)
+        o = torch.empty(x.shape[0], n, device=dev, dtype=torch.bfloat16)
+        if path == "int-mm":
+            return lambda: tw.int_mm_w8a8(q, s, c().t(), ws, out=o)
+        return lambda: tw.w8a8_mm(q, s, c().t(), ws, out=o, config=cfg)
+
+    out["triton-w8a8"] = (setup, k * n)
+    out["int-mm+epilogue"] = ((lambda x: setup(x, "int-mm")), k * n)
+    plans = [w8a8.plan_w8a8(w.t(), ws, torch.bfloat16, False)[0] for w in wi8]
+    if plans[0] is not None:
+        out["w8a8-table+quant"] = ((lambda x: (lambda c=cycler(plans): lambda: w8a8.w8a8_apply(
+            *w8a8.quantize_per_token_any(x)[:2], c(), out_dtype=torch.bfloat16))()), k * n)
+
+
+def w8a8_sweep(shapes: list[str], ms: list[int], copy_gbps: float) -> list[dict]:
+    """Time every candidate tile config of lqe/kernels/triton_w8a8.py (sweep_configs) per shape and M, beside
+    cuBLAS bf16, int-mm+epilogue and lqe-w8a8 of the same run; print the best per M and a suggested table."""
+    from lqe.kernels import triton_w8a8 as tw
+    from lqe.kernels import w8a8
+
+    rows, best_by_m = [], {}
+    for shape in shapes:
+        k, n = map(int, shape.split("x"))
+        wi8 = rotating(lambda: torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda").t(), k * n)
+        wb = rotating(lambda: torch.randn(k, n, device="cuda", dtype=torch.bfloat16) * 0.02, k * n * 2)
+        ws = torch.rand(n, device="cuda") * 0.01
+        tw.reserve_workspace("cuda", max(ms) if max(ms) <= 64 else 64, n)
+        p8 = None
+        try:
+            import lqe.kernels as lk
+
+            if lk.available():
+                p8 = rotating(lambda: lk.repack_w8a8(torch.randint(-127, 128, (k, n), dtype=torch.int8, device="cuda"),
+                                                     ws), k * n)
+        except Exception:  # noqa: BLE001
+            p8 = None
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            q, s, _ = w8a8.quantize_per_token_any(x)
+            o = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            base = bench((lambda c=cycler(wb): lambda: torch.matmul(x, c()))())
+            timed = {}
+            if tw.int_mm_unsupported(m, n, k) is None:
+                timed["int-mm+epilogue"] = bench((lambda c=cycler(wi8): lambda: tw.int_mm_w8a8(q, s, c().t(), ws, out=o))())
+            if p8 is not None:
+                timed["lqe-w8a8"] = bench((lambda c=cycler(p8): lambda: w8a8.w8a8_gemm(q, s, c(), out=o))())
+            for cfg in tw.sweep_configs(m):
+                try:
+                    timed[f"triton-w8a8:{cfg}"] = bench((lambda c=cycler(wi8), cfg=cfg: lambda: tw.w8a8_mm(
+                        q, s, c().t(), ws, out=o, config=cfg))(), reps=30)
+                except Exception as e:  # noqa: BLE001 -- a config that does not compile / fit is skipped
+                    print(f"# {shape} M={m} {cfg}: {type(e).__name__}: {str(e)[:100]}")
+            table_cfg = tw.pick_config(m, n, k, torch.device("cuda"))
+            timed[f"triton-w8a8(table {table_cfg})"] = bench((lambda c=cycler(wi8): lambda: tw.w8a8_mm(
+                q, s, c().t(), ws, out=o))())
+            order = sorted(timed.items(), key=lambda kv: kv[1])
+            print(f"# sweep {shape} M={m}: cublas-bf16 {base:.2f} us; best: " + ", ".join(
+                f"{nm} {us:.2f} us {base / us:.2f}x" for nm, us in order[:4]))
+            for nm, us in timed.items():
+                rows.append({"kernel": nm, "shape": shape, "m": m, "us": round(us, 2), "bf16_us": round(base, 2),
+                             "speedup_vs_cublas": round(base / us, 3)})
+            for nm, us in timed.items():
+                best_by_m.setdefault(m, {}).setdefault(nm, []).append(base / us)
+    print("# W8A8 sweep: geometric-mean speed-up over cuBLAS bf16 across shapes, best 3 per M")
+    for m, d in best_by_m.items():
+        full = {nm: v for nm, v in d.items() if len(v) == len(shapes)}
+        gm = sorted(((math.exp(sum(map(math.log, v)) / len(v)), nm) for nm, v in full.items()), reverse=True)
+        print(f"#   M={m:5d}: " + ", ".join(f"{nm} {g:.2f}x" for g, nm in gm[:3]))
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--m", type=int, nargs="*", default=MS)
     ap.add_argument("--shapes", nargs="*", default=[f"{k}x{n}" for k, n in SHAPES])
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels-<gpu>.json, or $OUT)")
+    ap.add_argument("--w8a8-sweep", action="store_true",
+                    help="only time every triton-w8a8 tile config (and int-mm+epilogue, lqe-w8a8) per shape and M")
+    ap.add_argument("--wna16-sweep", action="store_true",
+                    help="only time every triton-wna16 config (and the CUDA GEMM, dequant+cuBLAS) per shape and M")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py: no CUDA device (torch.cuda.is_available() is False); nothing to measure.")
@@ -143,6 +307,12 @@ def main(argv=None) -> int:
            "sms": torch.cuda.get_device_properties(0).multi_processor_count}
     print(f"# {gpu} | torch {env['torch']} cuda {env['cuda']} | d2d copy {copy_gbps:.0f} GB/s")
     rows = []
+    if args.w8a8_sweep:
+        rows = w8a8_sweep(args.shapes, args.m, copy_gbps)
+        args.shapes = []
+    if args.wna16_sweep:
+        rows += wna16_sweep(args.shapes, args.m)
+        args.shapes = []
     hdr = f"{'kernel':26s} {'KxN':>11s} {'M':>5s} {'us':>9s} {'TFLOP/s':>8s} {'GB/s':>7s} {'%copy':>6s} {'vs cuBLAS':>9s}"
     for shape in args.shapes:
         k, n = map(int, shape.split("x"))
@@ -170,7 +340,8 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     tag = "".join(c if c.isalnum() else "-" for c in gpu).strip("-").lower()
     path = Path(args.out) if args.out else (Path(os.environ["OUT"]) if os.environ.get("OUT") else
-                                            Path(__file__).parent / "results") / f"kernels-{tag}.json"
+                                            Path(__file__).parent / "results") / \
+        f"kernels{'-w8a8-sweep' if args.w8a8_sweep else ''}{'-wna16-sweep' if args.wna16_sweep else ''}-{tag}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"device": gpu, "env": env, "copy_gbps": round(copy_gbps, 1), "rows": rows}, indent=1))
     print(f"# wrote {path}")

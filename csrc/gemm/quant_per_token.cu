@@ -1,9 +1,25 @@
 // Fused per-token (per-row) dynamic int8 quantization of activations, one block per row.
-//   sym : scale = absmax/127, q = sat_s8(rint(x * (127/absmax)))                 (absmax == 0 -> 0, 0)
-//   asym: lo = min(min x, 0), hi = max(max x, 0), scale = (hi-lo)/255,
-//         azp = rint(-128 - lo/scale), q = sat_s8(rint(x/scale) + azp)           (scale == 0 -> q = azp = 0)
-// rint is round-half-even (cvt.rni); every fp32 op is IEEE-rounded so the torch twin
-// (lqe/kernels/gemm_ref.py::quantize_per_token_ref) reproduces it bit for bit.
+//
+// The contract is lqe/quant_layers/reference/w8a8.py::per_token_quant_int8 evaluated with IEEE fp32 ops (as torch
+// does on CPU). Every fp32 operation below is one correctly rounded IEEE op written as an intrinsic, so nvcc cannot
+// contract it into an fma or replace a division by a reciprocal multiply:
+//   sym : absmax = max_k |x[k]|                      (exact: fp16/bf16 -> fp32 is exact, max is exact)
+//         scale  = __fdiv_rn(absmax, 127)            (reference: absmax / 127.0, a true division)
+//         inv    = absmax > 0 ? __fdiv_rn(127, absmax) : 0
+//         q[k]   = sat_s8(rint(__fmul_rn(x[k], inv)))
+//   asym: lo = min_k x[k], hi = max_k x[k]           (NOT widened to include 0: the reference uses the row's own
+//                                                     min and max, like vLLM's dynamic_scaled_int8_azp_quant)
+//         scale  = __fdiv_rn(__fsub_rn(hi, lo), 255)
+//         azp    = scale > 0 ? rint(__fsub_rn(-128, __fdiv_rn(lo, scale))) : 0
+//         q[k]   = scale > 0 ? sat_s8(rint(__fdiv_rn(x[k], scale)) + azp) : 0
+//                  (the reference adds round(x/s) + azp in fp32: both are integers < 2^24, so exact either way)
+// rint is round-half-even (cvt.rni), as torch.round.
+//
+// Why tests/gpu/test_gemm_w8a8.py used to see last-bit scale differences: it evaluated the torch twin ON THE GPU,
+// and torch's CUDA `tensor / python_scalar` computes `tensor * (1 / scalar)` (ATen BinaryDivTrueKernel.cu: "if the
+// second operand is a CPU scalar, compute a * reciprocal(b) ... may lose one bit"), so `absmax / 127.0` on CUDA is
+// not the IEEE quotient this kernel (and torch on CPU) computes; about 4% of fp16 absmax values differ for /127 and
+// about 70% for /255. The test now compares with the reference evaluated on CPU.
 #include "gemm_common.cuh"
 #include "gemm_launch.h"
 
@@ -36,7 +52,8 @@ __global__ void __launch_bounds__(kQThreads) quant_per_token_kernel(const T* __r
   __shared__ float sh[kQThreads / 32];
   const T* xr = x + (size_t)blockIdx.x * K;
   int8_t* qr = q + (size_t)blockIdx.x * K;
-  float hi = 0.f, lo = 0.f;  // both include 0 (sym uses hi as absmax)
+  // sym: hi = absmax (starts at 0); asym: the row's own max / min (start at -inf / +inf, K >= 1)
+  float hi = ASYM ? -INFINITY : 0.f, lo = INFINITY;
   for (int k = threadIdx.x; k < K; k += kQThreads) {
     const float v = to_f(xr[k]);
     if (ASYM) { hi = fmaxf(hi, v); lo = fminf(lo, v); }

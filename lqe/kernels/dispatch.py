@@ -10,15 +10,30 @@ from __future__ import annotations
 
 # ------------------------------------------------------------------------------------------------ W4A16 / W8A16
 # (owned by the W4A16 kernel work: lqe/kernels/gemm.py and friends)
+# Kernels: "lqe-wna16-fused" (CUDA, csrc/gemm/wna16_gemm.cu), "triton-wna16" (lqe/kernels/triton_wna16.py,
+# tensor cores, configs per M in its CONFIG_TABLE), "triton-dequant+cublas" (Triton dequantize at memory speed,
+# then cuBLAS), "dequant+cublas" (the CUDA dequantize, then cuBLAS). All read the same packed weights. A kernel
+# that is unavailable (no triton, extension not built) is replaced by its counterpart (lqe/kernels/gemm.py).
+# NEEDS MEASUREMENT on the H100 (benchmarks/kernels.py [--wna16-sweep]); expected from issue 14's numbers and
+# byte/instruction counts: CUDA wins M <= 4, the Triton GEMM from M = 8, dequantize + cuBLAS at prefill sizes.
 WNA16_TABLE: list[tuple[int | None, str]] = [
-    (128, "lqe-wna16-fused"),
-    (None, "dequant+cublas"),
+    (4, "lqe-wna16-fused"),
+    (128, "triton-wna16"),
+    (None, "triton-dequant+cublas"),
 ]
 
 # ------------------------------------------------------------------------------------------------ W8A8 int8 / FP8
 # (owned by the W8A8 kernel work: lqe/kernels/w8a8.py and friends)
+# Kernels: "triton-w8a8" (lqe/kernels/triton_w8a8.py: int8 tensor-core GEMM + fused epilogue on the checkpoint's
+# int8 [N, K]; split-K weight streaming for small M; tile configs per M bucket in triton_w8a8.CONFIGS),
+# "int-mm+epilogue" (torch._int_mm = cuBLASLt int8, M > 16 only, then a Triton epilogue; same weight tensor),
+# "lqe-w8a8" (csrc/gemm/w8a8_gemm.cu; needs its own fragment-packed copy of the weights: naming it here keeps a
+# second copy of every W8A8 weight in memory). Not yet set by measurement: guessed from the H100 numbers of
+# issue 15 (cuBLASLt int8 1.5x bf16 at M=32-64, about 1.0x from M=256; lqe-w8a8 1.1-1.5x at M=1 only).
 W8A8_TABLE: list[tuple[int | None, str]] = [
-    (None, "lqe-w8a8"),
+    (16, "triton-w8a8"),
+    (128, "int-mm+epilogue"),
+    (None, "triton-w8a8"),
 ]
 
 

@@ -1,7 +1,11 @@
-"""Python entry points of the lqe W4A16/W8A16 CUDA GEMM (csrc/gemm/wna16_gemm.cu) and kernel selection.
+"""Python entry points of the lqe W4A16/W8A16 GEMMs and kernel selection.
 
-Everything here imports on a machine without CUDA; :func:`available` says whether the extension could be
-built and loaded, :func:`unavailable_reason` says why not.
+Two implementations read the same packed weights (:mod:`lqe.kernels.repack`; one copy per layer): the CUDA
+GEMM (csrc/gemm/wna16_gemm.cu, the decode kernel for a few tokens) and the Triton kernels of
+:mod:`lqe.kernels.triton_wna16` (tensor-core GEMM for tens to hundreds of tokens; dequantize + cuBLAS for
+prefill). Which runs for M tokens is ``dispatch.WNA16_TABLE``, resolved per call on the host from shapes only
+(graph-capturable). Everything here imports on a machine without CUDA; :func:`available` says whether the
+extension could be built and loaded, :func:`unavailable_reason` says why not.
 """
 from __future__ import annotations
 
@@ -12,15 +16,19 @@ from dataclasses import dataclass
 
 import torch
 
-from lqe.kernels import build
+from lqe.kernels import build, dispatch
 from lqe.kernels.repack import PackedWNA16, repack_wna16, wna16_unsupported
 from lqe.quant_layers.canonical import CanonicalWeight
 
 log = logging.getLogger(__name__)
 
-# Above this many tokens the dequantize + cuBLAS path is used. NEEDS MEASUREMENT on the target GPU
-# (benchmarks/kernels.py prints both paths; exllama switches near 50, Marlin stays fused to ~1000).
+# Above this many tokens path="cuda" switches to the CUDA dequantize + cuBLAS. The default path ("auto")
+# follows dispatch.WNA16_TABLE instead.
 LARGE_M_THRESHOLD = 128
+# What a table row becomes when its kernel is unavailable here (no triton / extension not built).
+_COUNTERPART = {"lqe-wna16-fused": "triton-wna16", "triton-wna16": "lqe-wna16-fused",
+                "triton-dequant+cublas": "dequant+cublas", "dequant+cublas": "triton-dequant+cublas"}
+_TRITON_KERNELS = ("triton-wna16", "triton-dequant+cublas")
 # Split-K aims for this many resident blocks per SM so few-tile decode shapes still fill the GPU.
 # NEEDS MEASUREMENT (memory-level parallelism vs. fix-up traffic).
 TARGET_BLOCKS_PER_SM = 4
@@ -91,11 +99,45 @@ def counters(device: torch.device, needed: int) -> torch.Tensor:
     return buf
 
 
+def triton_reason(device: torch.device | str) -> str | None:
+    """Why the Triton W4A16 kernels cannot run on ``device`` (``None``: they can)."""
+    from lqe.kernels import triton_wna16
+
+    return triton_wna16.unavailable_reason(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _table_for(device_key: str, has_cuda: bool, has_triton: bool) -> tuple[tuple[int | None, str], ...]:
+    rows = []
+    for max_m, name in dispatch.WNA16_TABLE:
+        ok = has_triton if name in _TRITON_KERNELS else has_cuda
+        if not ok:
+            name = _COUNTERPART[name]
+        rows.append((max_m, name))
+    return tuple(rows)
+
+
+def resolved_table(device: torch.device) -> tuple[tuple[int | None, str], ...]:
+    """``dispatch.WNA16_TABLE`` with every kernel that cannot run on ``device`` replaced by its counterpart."""
+    has_triton = triton_reason(device) is None
+    has_cuda = available()  # the extension checks its tensors' device itself
+    if not (has_cuda or has_triton):
+        raise RuntimeError(f"no W4A16 kernel can run on {device}: {unavailable_reason()}; {triton_reason(device)}")
+    return _table_for(str(device), has_cuda, has_triton)
+
+
+def kernel_for(m: int, device: torch.device) -> str:
+    """The kernel name that runs ``m`` tokens on ``device`` (host-only: shapes and cached availability)."""
+    return dispatch.pick(list(resolved_table(device)), m)
+
+
 def wna16_gemm(x: torch.Tensor, packed: PackedWNA16, bias: torch.Tensor | None = None,
-               out: torch.Tensor | None = None, splits: int | None = None, path: str = "auto") -> torch.Tensor:
-    """``x @ W (+ bias)`` for ``x [..., K]`` fp16/bf16 and a repacked 4/8-bit weight; ``path`` in
-    ``auto | fused | dequant`` (``auto``: fused up to :data:`LARGE_M_THRESHOLD` tokens)."""
-    e = _ext()
+               out: torch.Tensor | None = None, splits: int | None = None, path: str = "auto",
+               config=None) -> torch.Tensor:
+    """``x @ W (+ bias)`` for ``x [..., K]`` fp16/bf16 and a repacked 4/8-bit weight. ``path``: ``auto``
+    (``dispatch.WNA16_TABLE``), a table kernel name, or the older ``fused`` (CUDA GEMM) / ``dequant`` (CUDA
+    dequantize + cuBLAS) / ``cuda`` (CUDA, fused up to :data:`LARGE_M_THRESHOLD` tokens) / ``triton`` (=
+    ``triton-wna16``). ``splits`` applies to the CUDA GEMM, ``config`` (a ``WNA16Config``) to the Triton GEMM."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, packed.k)
     if x2.dtype != packed.scales.dtype:
@@ -104,23 +146,45 @@ def wna16_gemm(x: torch.Tensor, packed: PackedWNA16, bias: torch.Tensor | None =
         x2 = x2.index_select(1, packed.perm)  # act-order: gather x columns like the rows were permuted
     x2 = x2.contiguous()
     m = x2.shape[0]
+    name = {"fused": "lqe-wna16-fused", "dequant": "dequant+cublas", "triton": "triton-wna16"}.get(path, path)
+    if name == "auto":
+        name = kernel_for(m, x2.device)
+    elif name == "cuda":
+        name = "dequant+cublas" if m > LARGE_M_THRESHOLD else "lqe-wna16-fused"
     if out is None:
         out = torch.empty(m, packed.n, dtype=x2.dtype, device=x2.device)
-    if path == "dequant" or (path == "auto" and m > LARGE_M_THRESHOLD):
+    if name == "triton-wna16":
+        from lqe.kernels import triton_wna16
+
+        triton_wna16.gemm(x2, packed, bias, out, config)
+    elif name == "triton-dequant+cublas":
+        from lqe.kernels import triton_wna16
+
+        triton_wna16.dequant_matmul(x2, packed, bias, out)
+    elif name == "dequant+cublas":
         w = torch.empty(packed.k, packed.n, dtype=x2.dtype, device=x2.device)
-        e.wna16_dequant(packed.qweight, packed.scales, packed.zeros, w, packed.bits, packed.group_size)
+        _ext().wna16_dequant(packed.qweight, packed.scales, packed.zeros, w, packed.bits, packed.group_size)
         torch.matmul(x2, w, out=out)
         if bias is not None:
             out.add_(bias)
-        return out.view(*lead, packed.n)
-    spp = plan_slabs_per_split(m, packed.n, packed.k, x2.device, 16, 4, splits)
-    cnt = counters(x2.device, math.ceil(packed.n / BLOCK_N) * math.ceil(m / 16))
-    e.wna16_gemm(x2, packed.qweight, packed.scales, packed.zeros, bias, out, packed.bits, packed.group_size, spp, cnt)
+    elif name == "lqe-wna16-fused":
+        e = _ext()
+        spp = plan_slabs_per_split(m, packed.n, packed.k, x2.device, 16, 4, splits)
+        cnt = counters(x2.device, math.ceil(packed.n / BLOCK_N) * math.ceil(m / 16))
+        e.wna16_gemm(x2, packed.qweight, packed.scales, packed.zeros, bias, out, packed.bits, packed.group_size,
+                     spp, cnt)
+    else:
+        raise ValueError(f"unknown W4A16 path {path!r}")
     return out.view(*lead, packed.n)
 
 
-def wna16_dequantize(packed: PackedWNA16) -> torch.Tensor:
-    """Dense ``[K, N]`` weights (sorted-K order) from the CUDA dequantize kernel."""
+def wna16_dequantize(packed: PackedWNA16, kernel: str = "cuda") -> torch.Tensor:
+    """Dense ``[K, N]`` weights (sorted-K order) from the CUDA (``kernel="cuda"``) or Triton dequantize kernel;
+    both are bit-identical."""
+    if kernel == "triton":
+        from lqe.kernels import triton_wna16
+
+        return triton_wna16.dequantize(packed)
     w = torch.empty(packed.k, packed.n, dtype=packed.scales.dtype, device=packed.qweight.device)
     return _ext().wna16_dequant(packed.qweight, packed.scales, packed.zeros, w, packed.bits, packed.group_size)
 
@@ -156,15 +220,18 @@ def select_w4a16_kernel(canonical: CanonicalWeight, device: torch.device | str,
         cap = torch.cuda.get_device_capability(device)
         if cap < (8, 0):
             reasons.append(f"compute capability {cap[0]}.{cap[1]} < 8.0 (mma.sync bf16 needs Ampere+)")
-    if not reasons and not available():
-        reasons.append(str(_state.get("error")))
+    if not reasons and not available() and triton_reason(device) is not None:
+        why_triton = f"; triton-wna16: {triton_reason(device)}" if torch.cuda.is_available() else ""
+        reasons.append(f"{_state.get('error')}{why_triton}")
     if reasons:
         return None, "lqe-wna16 unavailable: " + "; ".join(reasons)
     packed = repack_wna16(_to_device(canonical, device), dtype)
     k, n = canonical.shape
+    table = ", ".join(f"{'M<=' + str(mx) if mx is not None else 'above'}: {name}"
+                      for mx, name in resolved_table(device))
     desc = (f"lqe-wna16 (bits={canonical.bits}, group_size={canonical.group_size}, "
             f"{'asym' if canonical.zeros is not None else 'sym'}{', act-order' if packed.perm is not None else ''}, "
-            f"K={k}, N={n}; fused for M<={LARGE_M_THRESHOLD}, dequantize+cuBLAS above)")
+            f"K={k}, N={n}; {table})")
     return WNA16Kernel(packed, desc), desc
 
 

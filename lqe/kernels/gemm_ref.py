@@ -120,22 +120,14 @@ def unpack_w8a8(p: PackedW8A8) -> torch.Tensor:
 
 
 def quantize_per_token_ref(x: torch.Tensor, symmetric: bool = True):
-    """Twin of csrc/gemm/quant_per_token.cu: returns ``(q int8, scale fp32 [M], azp int32 [M] or None)``."""
-    xf = x.float()
-    if symmetric:
-        absmax = xf.abs().amax(-1)
-        inv = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
-        q = torch.round(xf * inv[:, None]).clamp(-128, 127).to(torch.int8)
-        return q, absmax / 127.0, None
-    hi = xf.amax(-1).clamp(min=0)
-    lo = xf.amin(-1).clamp(max=0)
-    s = (hi - lo) / 255.0
-    ok = s > 0
-    safe = torch.where(ok, s, torch.ones_like(s))
-    azp = torch.where(ok, torch.round(-128.0 - lo / safe), torch.zeros_like(s)).to(torch.int32)
-    q = (torch.round(xf / safe[:, None]) + azp[:, None]).clamp(-128, 127)
-    q = torch.where(ok[:, None], q, torch.zeros_like(q)).to(torch.int8)
-    return q, s, azp
+    """Twin of csrc/gemm/quant_per_token.cu: the contract ``reference.per_token_quant_int8`` (evaluated on the
+    CPU, where ``/ 127`` is a true division) with ``[M]``-shaped scales: ``(q int8, scale fp32 [M], azp int32 [M]
+    or None)``."""
+    from lqe.quant_layers.reference import per_token_quant_int8
+
+    q, s, azp = per_token_quant_int8(x.cpu(), symmetric)
+    dev = x.device
+    return q.to(dev), s.reshape(-1).to(dev), None if azp is None else azp.reshape(-1).to(dev)
 
 
 def w8a8_gemm_ref(xq: torch.Tensor, a_scale: torch.Tensor, azp: torch.Tensor | None, p: PackedW8A8,

@@ -1,8 +1,11 @@
 """W8A8 int8 GEMM with fused scales (csrc/gemm/w8a8_gemm.cu), per-token int8 activation quantization
-(csrc/gemm/quant_per_token.cu), and FP8 W8A8 through ``torch._scaled_mm`` (Hopper / Ada)."""
+(csrc/gemm/quant_per_token.cu), the per-M-bucket choice between them and the Triton / cuBLASLt int8 paths
+(:func:`plan_w8a8`, :func:`w8a8_apply`; lqe/kernels/triton_w8a8.py, the W8A8_TABLE of lqe/kernels/dispatch.py),
+and FP8 W8A8 through ``torch._scaled_mm`` (Hopper / Ada)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -96,6 +99,123 @@ def select_w8a8_kernel(wq_kn: torch.Tensor, w_scale: torch.Tensor, device: torch
         return None, "lqe-w8a8 unavailable: " + "; ".join(reasons)
     packed = repack_w8a8(wq_kn.to(device), w_scale.to(device))
     return packed, f"lqe-w8a8 int8 GEMM (K={k}, N={n})"
+
+
+KERNELS = ("triton-w8a8", "int-mm+epilogue", "lqe-w8a8")
+
+
+@dataclass(slots=True)
+class W8A8Weights:
+    """One W8A8 layer's weights in the layouts its kernel table needs, and that table resolved for it."""
+    w_nk: torch.Tensor | None  # int8 [N, K], K contiguous (triton-w8a8, int-mm+epilogue)
+    w_scale: torch.Tensor  # float32 [N]
+    colsum: torch.Tensor | None  # int32 [N] = sum_k W[n, k]; only for asymmetric activations
+    packed: PackedW8A8 | None  # the lqe-w8a8 CUDA kernel's layout, only when the table names it
+    table: tuple[tuple[int | None, str], ...]  # W8A8_TABLE with every row this layer cannot run replaced
+    k: int
+    n: int
+
+
+def kernel_unsupported(name: str, k: int, n: int, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why kernel ``name`` of W8A8_TABLE cannot run a ``K x N`` layer here, or ``None``. Host-only."""
+    if name not in KERNELS:
+        return f"unknown W8A8 kernel {name!r} (known: {', '.join(KERNELS)})"
+    if device.type != "cuda":
+        return f"device is {device.type}, {name} needs cuda"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"activation dtype {dtype} ({name} needs float16 or bfloat16)"
+    if torch.cuda.is_available() and torch.cuda.get_device_capability(device) < (8, 0):
+        return f"{name} needs compute capability 8.0+ (int8 tensor cores)"
+    if name == "lqe-w8a8":
+        why = w8a8_unsupported(k, n)
+        if why is None and not gemm.available():
+            why = str(gemm.unavailable_reason())
+        return why
+    from lqe.kernels import triton_w8a8 as tw
+
+    why = tw.available()
+    if why is None and name == "int-mm+epilogue":
+        why = tw.int_mm_unsupported(17, n, k)
+    return why
+
+
+def plan_w8a8(w_nk: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype, asymmetric: bool,
+              table: list[tuple[int | None, str]] | None = None) -> tuple[W8A8Weights | None, str]:
+    """Lay out int8 ``w_nk [N, K]`` (the checkpoint's orientation, on its device) with per-channel ``w_scale``
+    for the kernels W8A8_TABLE names: ``(weights, description)``, or ``(None, every reason)`` when no kernel of
+    the table can run (the caller keeps its torch path). A row whose kernel cannot run this layer falls back to
+    the first kernel of ``KERNELS`` that can. Only a table naming lqe-w8a8 (or a layer no other kernel can run)
+    gets the fragment-packed second copy, through :func:`select_w8a8_kernel`."""
+    from lqe.kernels.dispatch import W8A8_TABLE
+
+    table = list(table or W8A8_TABLE)
+    device = w_nk.device
+    n, k = w_nk.shape
+    why = {name: kernel_unsupported(name, k, n, device, dtype) for name in KERNELS if name != "lqe-w8a8"}
+    named = {name for _, name in table}
+    packed, lqe_desc = None, ""
+    if "lqe-w8a8" in named or all(v is not None for v in why.values()):
+        packed, lqe_desc = select_w8a8_kernel(w_nk.t(), w_scale, device, dtype)
+        why["lqe-w8a8"] = None if packed is not None else lqe_desc.removeprefix("lqe-w8a8 unavailable: ")
+    else:
+        why["lqe-w8a8"] = "not named by W8A8_TABLE (it needs a second, fragment-packed copy of the weights)"
+    ok = [name for name in KERNELS if why[name] is None]
+    if not ok:
+        return None, "no W8A8 kernel can run: " + "; ".join(f"{nm} unavailable: {why[nm]}" for nm in KERNELS)
+    rows, notes = [], []
+    for max_m, name in table:
+        use = name if why.get(name, "unknown") is None else ok[0]
+        if use != name:
+            notes.append(f"{name} -> {use}: {why.get(name) or 'unknown kernel name'}")
+        rows.append((max_m, use))
+    used = {nm for _, nm in rows}
+    if packed is not None and "lqe-w8a8" not in used:
+        packed = None
+    w_scale = w_scale.float().reshape(-1).expand(n).contiguous().to(device)
+    w = w_nk.contiguous() if used - {"lqe-w8a8"} else None
+    colsum = None
+    if asymmetric:
+        colsum = packed.colsum if packed is not None else w_nk.to(torch.int32).sum(1, dtype=torch.int32)
+    if "triton-w8a8" in used:
+        from lqe.kernels import triton_w8a8 as tw
+
+        tw.reserve_workspace(device, tw.workspace_rows(), n)
+    descs = [lqe_desc] if "lqe-w8a8" in used else []
+    descs += [f"{nm} int8 GEMM (K={k}, N={n})" for nm in KERNELS if nm in used and nm != "lqe-w8a8"]
+    by_m = ", ".join(f"M<={mm}: {nm}" if mm is not None else f"else {nm}" for mm, nm in rows)
+    desc = " + ".join(descs) + f" [{by_m}]" + (" (" + "; ".join(notes) + ")" if notes else "")
+    return W8A8Weights(w, w_scale, colsum, packed, tuple(rows), k, n), desc
+
+
+def w8a8_apply(xq: torch.Tensor, a_scale: torch.Tensor, wts: W8A8Weights, azp: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The int8 GEMM + epilogue of :func:`w8a8_gemm` through the kernel the layer's table picks for this M (a
+    host function of the shape: no sync, nothing data-dependent, CUDA-graph capturable)."""
+    from lqe.kernels import triton_w8a8 as tw
+    from lqe.kernels.dispatch import pick
+
+    m = xq.shape[0]
+    name = pick(list(wts.table), m)
+    if name == "int-mm+epilogue" and m <= 16:  # cuBLASLt refuses M <= 16
+        name = "triton-w8a8" if wts.w_nk is not None else "lqe-w8a8"
+    if name == "lqe-w8a8" and wts.packed is not None:
+        if azp is not None and wts.packed.colsum is None:
+            raise ValueError("lqe-w8a8: asymmetric activations need the weight's colsum")
+        return w8a8_gemm(xq, a_scale, wts.packed, azp, bias, out_dtype)
+    if name == "int-mm+epilogue":
+        return tw.int_mm_w8a8(xq, a_scale, wts.w_nk, wts.w_scale, azp, wts.colsum, bias, out_dtype)
+    return tw.w8a8_mm(xq, a_scale, wts.w_nk, wts.w_scale, azp, wts.colsum, bias, out_dtype)
+
+
+def quantize_per_token_any(x: torch.Tensor, symmetric: bool = True):
+    """:func:`quantize_per_token` (CUDA kernel) when the lqe extension is built, else the torch reference
+    (same results up to torch-on-CUDA's reciprocal division, see csrc/gemm/quant_per_token.cu)."""
+    if x.device.type == "cuda" and gemm.available():
+        return quantize_per_token(x, symmetric)
+    from lqe.quant_layers.reference import per_token_quant_int8
+
+    q, s, azp = per_token_quant_int8(x.reshape(-1, x.shape[-1]), symmetric)
+    return q, s.reshape(-1), None if azp is None else azp.reshape(-1)
 
 
 def fp8_supported(device: torch.device | str | None = None) -> str | None:

@@ -7,10 +7,13 @@ with int32 accumulation (``torch._int_mm`` where it works, else an exact float64
 Weight-only int8 (no ``input_activations``) runs through :func:`select_w4a16_kernel` (the lqe W8A16 CUDA kernel on
 a GPU, else :class:`Int8WeightOnly`).
 
-On a CUDA device the weights are repacked once for the lqe W8A8 kernel (:func:`lqe.kernels.select_w8a8_kernel`):
-dynamic per-token activations (sym / asym) go through :func:`lqe.kernels.w8a8_linear`, static per-tensor ones are
-quantized in torch and go through the same GEMM epilogue (:func:`lqe.kernels.w8a8_linear_static`). When the kernel
-declines, the torch path above runs and the reason is logged once per layer kind.
+On a CUDA device the layer keeps the checkpoint's int8 ``[N, K]`` weight (plus, only when the table names the lqe
+CUDA kernel, its fragment-packed copy) and the kernel for each call's token count M comes from the W8A8_TABLE of
+:mod:`lqe.kernels.dispatch` (:func:`lqe.kernels.w8a8.plan_w8a8` / :func:`lqe.kernels.w8a8.w8a8_apply`: Triton int8
+GEMM, cuBLASLt ``torch._int_mm`` + Triton epilogue, or the lqe CUDA kernel; all with the scales, zero-point
+correction and bias in the epilogue). Dynamic per-token activations are quantized by the CUDA kernel of
+csrc/gemm/quant_per_token.cu (bit-exact with :func:`reference.per_token_quant_int8`), static per-tensor ones in torch.
+When no kernel can run, the torch path above runs and the reason is logged once per layer kind.
 """
 from __future__ import annotations
 
@@ -39,17 +42,18 @@ def int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.double() @ b.double()).to(torch.int32)  # |acc| <= K * 2^14 < 2^53: exact
 
 
-def select_w8a8_cuda(wq_kn: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype):
-    """``(packed, description)`` for the lqe W8A8 CUDA kernel, or ``(None, reason)``; never raises."""
-    why = cuda_kernels_declined(wq_kn.device)
+def plan_w8a8_cuda(w_nk: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype, asymmetric: bool):
+    """``(W8A8Weights, description)`` for the W8A8 kernels of the dispatch table, or ``(None, reason)``; never
+    raises."""
+    why = cuda_kernels_declined(w_nk.device)
     if why is not None:
         return None, why
     try:
         from lqe.kernels import w8a8 as kw
 
-        return kw.select_w8a8_kernel(wq_kn, w_scale, wq_kn.device, dtype)
+        return kw.plan_w8a8(w_nk, w_scale, dtype, asymmetric)
     except Exception as e:  # noqa: BLE001 -- any failure here must leave the torch path usable
-        return None, f"lqe-w8a8 failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return None, f"lqe W8A8 kernels failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 def per_shard_to_channel(values: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -107,12 +111,13 @@ class W8A8Int8Method(LinearMethod):
                 log_fallback_once(layer_kind(layer, "w8a16 int8"), kernel.why)
             self.summary = f"w8a16 int8 {self.s.weights.strategy}, {kernel.describe()}"
         else:
-            packed, why = select_w8a8_cuda(w.t(), s_w, layer.params_dtype) if cuda else (None, "")
-            if packed is not None:
-                layer.register_buffer("w8a8_qweight", packed.qweight)
-                layer.register_buffer("w8a8_w_scale", packed.w_scale)
-                layer.register_buffer("w8a8_colsum", None if a.symmetric else packed.colsum)
-                layer.w8a8_shape = (packed.k, packed.n)
+            plan, why = plan_w8a8_cuda(w, s_w, layer.params_dtype, not a.symmetric) if cuda else (None, "")
+            if plan is not None:
+                layer.register_buffer("w8a8_w", plan.w_nk)  # int8 [N, K] (None when only lqe-w8a8 is used)
+                layer.register_buffer("w8a8_qweight", None if plan.packed is None else plan.packed.qweight)
+                layer.register_buffer("w8a8_w_scale", plan.w_scale)
+                layer.register_buffer("w8a8_colsum", plan.colsum)
+                layer.w8a8_plan = (plan.table, plan.k, plan.n)
             else:
                 layer.register_buffer("w_int8_t", w.t().contiguous())
                 layer.register_buffer("w_scale", s_w.contiguous())
@@ -123,7 +128,7 @@ class W8A8Int8Method(LinearMethod):
                 layer.register_buffer("in_scale", s_in)
                 layer.register_buffer("in_zp", z_in)
             act = f"{'static per-tensor' if static else 'dynamic per-token'} {'sym' if a.symmetric else 'asym'}"
-            if packed is not None:
+            if plan is not None:
                 mm = f"cuda {why}"
             else:
                 mm = "torch._int_mm" if "cpu" not in _INT_MM_BROKEN else "exact fallback"
@@ -146,7 +151,7 @@ class W8A8Int8Method(LinearMethod):
 
     def _w8a8(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         a = self.s.input_activations
-        if getattr(layer, "w8a8_qweight", None) is not None:
+        if getattr(layer, "w8a8_plan", None) is not None:
             return self._w8a8_cuda(layer, x, bias)
         if a.dynamic:
             x_q, s_a, azp = ref.per_token_quant_int8(x, a.symmetric)
@@ -164,14 +169,20 @@ class W8A8Int8Method(LinearMethod):
         from lqe.kernels.repack import PackedW8A8
 
         a = self.s.input_activations
-        k, n = layer.w8a8_shape
-        packed = PackedW8A8(layer.w8a8_qweight, layer.w8a8_w_scale, layer.w8a8_colsum, k, n)
+        table, k, n = layer.w8a8_plan
+        packed = None
+        if layer.w8a8_qweight is not None:
+            packed = PackedW8A8(layer.w8a8_qweight, layer.w8a8_w_scale, layer.w8a8_colsum, k, n)
+        wts = kw.W8A8Weights(layer.w8a8_w, layer.w8a8_w_scale, layer.w8a8_colsum, packed, table, k, n)
         x = x.to(layer.params_dtype)
         if bias is not None:
             bias = bias.to(x.dtype).contiguous()
         if a.dynamic:
-            return kw.w8a8_linear(x, packed, bias, symmetric=a.symmetric)
-        return kw.w8a8_linear_static(x, packed, layer.in_scale, layer.in_zp, bias)
+            xq, s_a, azp = kw.quantize_per_token_any(x, a.symmetric)
+        else:
+            s_a, azp = layer.in_scale, layer.in_zp
+            xq = kw.quantize_static(x, s_a, azp)
+        return kw.w8a8_apply(xq, s_a, wts, azp, bias, x.dtype)
 
     def describe(self, layer: nn.Module) -> str:
         return self.summary or "w8a8 int8 (weights not processed yet)"

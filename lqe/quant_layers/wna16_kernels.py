@@ -225,10 +225,10 @@ class Int8WeightOnly(nn.Module):
 
 
 class CudaWNA16(nn.Module):
-    """The lqe W4A16/W8A16 CUDA GEMM (:func:`lqe.kernels.wna16_gemm`). Holds only the repacked kernel state
-    (int32 ``qweight``, scales / zero points in the activation dtype, the act-order ``perm``) as buffers; no
-    float copy of the weights is kept (above ``LARGE_M_THRESHOLD`` tokens the kernel dequantizes into a
-    temporary per call)."""
+    """The lqe W4A16/W8A16 GPU kernels (:func:`lqe.kernels.wna16_gemm`: the CUDA GEMM, the Triton GEMM or
+    dequantize + cuBLAS, per ``dispatch.WNA16_TABLE`` and M). Holds only the repacked kernel state (int32
+    ``qweight``, read by all of them, scales / zero points in the activation dtype, the act-order ``perm``) as
+    buffers; no float copy of the weights is kept (the dequantize path writes a temporary per call)."""
 
     name = "cuda w4a16 kernel"
 

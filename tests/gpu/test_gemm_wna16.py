@@ -115,3 +115,76 @@ def test_select_reports_fallback_reasons():
     cw = canonical(96, 96, 4, 32, False, False, seed=0)
     fn, reason = gemm.select_w4a16_kernel(cw, "cuda", torch.float32)
     assert fn is None and "multiples of 64" in reason and "float32" in reason
+
+
+# ------------------------------------------------------------------------------------ Triton kernels (same layout)
+from lqe.kernels import triton_wna16 as tw  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("gs", [32, 64, 128, -1])
+@pytest.mark.parametrize("asym,act_order", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("m", [7, 33, 100])
+def test_triton_all_formats(dtype, bits, gs, asym, act_order, m):
+    run_case(m, 1024, 256, bits, gs, asym, act_order, dtype, "triton-wna16")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("k,n", SHAPES + [(576, 1536), (14336, 4096)])
+@pytest.mark.parametrize("path", ["triton-wna16", "triton-dequant+cublas"])
+def test_triton_all_m(dtype, m, k, n, path):
+    run_case(m, k, n, 4, 128, False, False, dtype, path)
+
+
+@pytest.mark.parametrize("m", [8, 16, 32, 64, 128, 1024])
+def test_every_sweep_config_is_correct(m):
+    """The benchmark sweep must only time correct kernels."""
+    cw = canonical(1024, 512, 4, 128, True, False, seed=m)
+    kernel, _ = gemm.select_w4a16_kernel(cw, "cuda", torch.bfloat16)
+    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+    ref = reference(x, cw, None)
+    for cfg in tw.sweep_configs(m):
+        check(gemm.wna16_gemm(x, kernel.packed, path="triton-wna16", config=cfg), ref, 1024)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("asym", [False, True])
+def test_triton_dequant_bit_equal_to_cuda(dtype, bits, asym):
+    cw = canonical(576, 384, bits, 128, asym, True, seed=bits + 7)
+    kernel, _ = gemm.select_w4a16_kernel(cw, "cuda", dtype)
+    assert torch.equal(gemm.wna16_dequantize(kernel.packed, "triton"), gemm.wna16_dequantize(kernel.packed, "cuda"))
+
+
+def test_triton_split_k_is_deterministic():
+    cw = canonical(4096, 256, 4, 128, True, True, seed=3)
+    kernel, _ = gemm.select_w4a16_kernel(cw, "cuda", torch.bfloat16)
+    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    cfg = tw.WNA16Config(16, 64, 128, 4, 4, split_k=8)
+    ys = [gemm.wna16_gemm(x, kernel.packed, path="triton-wna16", config=cfg).clone() for _ in range(5)]
+    assert all(torch.equal(ys[0], y) for y in ys[1:])
+    check(ys[0], reference(x, cw, None), 4096)
+
+
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 300])
+def test_auto_path_is_graph_capturable(m):
+    """Every table row (CUDA GEMM, Triton GEMM + split-K reduce, dequantize + cuBLAS) under CUDA-graph capture."""
+    cw = canonical(1024, 512, 4, 128, True, True, seed=m)
+    kernel, _ = gemm.select_w4a16_kernel(cw, "cuda", torch.bfloat16)
+    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(512, device="cuda", dtype=torch.bfloat16)
+    kernel(x, bias)  # compile / build outside the capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        kernel(x, bias)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = kernel(x, bias)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    check(y, reference(x, cw, bias), 1024)

@@ -1,0 +1,360 @@
+"""Triton W8A8 int8 GEMMs on the checkpoint's own weight layout: int8 ``w [N, K]`` row-major (K contiguous).
+
+``out[m, n] = a_scale[m] * w_scale[n] * (sum_k xq[m, k] * w[n, k] - azp[m] * colsum[n]) + bias[n]``, cast to the
+output dtype; ``a_scale`` per token ``[M]`` or one scalar (static), ``azp`` optional (asymmetric activations, per
+token or scalar), ``bias`` optional. K-major int8 is what Hopper's int8 wgmma wants for both operands, so the
+weight needs no repack and one copy serves every M: the same tensor feeds ``torch._int_mm`` as ``w.t()``.
+
+* :func:`w8a8_mm`: the tiled int8 tensor-core GEMM with the epilogue fused. With ``split_k > 1`` (small M:
+  weight streaming) the K range is cut over ``split_k`` programs per tile, whose int32 partial sums are added
+  into an int32 workspace with atomics (exact, so the result does not depend on their order), and the last
+  program of each tile (an arrival counter) reads the total back, zeroes workspace and counter for the next
+  call, and applies the epilogue: one launch, deterministic, nothing allocated per call.
+* :func:`int_mm_w8a8`: ``torch._int_mm`` (cuBLASLt int8, M > 16 only) then :func:`w8a8_epilogue`, a Triton
+  kernel that applies the same epilogue to the int32 product.
+
+Tile configurations are chosen on the host from ``(M, N, K)`` by :func:`pick_config` (a table per M bucket,
+no ``triton.autotune``: nothing syncs, so both paths can be captured in a CUDA graph). The workspace is
+allocated up front by :func:`reserve_workspace` (called when a layer's weights are processed) and is shared by
+all layers of a device: calls on one stream run one after another and each leaves it zeroed.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is optional on CPU
+    triton = None
+    tl = None
+
+
+def available() -> str | None:
+    """Why the Triton W8A8 kernels cannot run, or ``None``."""
+    if triton is None:
+        return "triton is not installed"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class W8A8Config:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+    split_k: int = 1  # 0 = choose from the SM count (small M)
+    group_m: int = 8
+
+    def __str__(self) -> str:
+        sk = "auto" if self.split_k == 0 else self.split_k
+        return (f"m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
+                f"sk{sk}")
+
+
+# (max_m, config), first row covering M wins. BLOCK_M >= 64 with 4/8 warps runs on Hopper's wgmma; smaller
+# tiles on mma.sync. To be set from `python benchmarks/kernels.py --w8a8-sweep` on the target GPU.
+CONFIGS: list[tuple[int | None, W8A8Config]] = [
+    (16, W8A8Config(16, 64, 256, num_warps=4, num_stages=4, split_k=0)),
+    (32, W8A8Config(32, 64, 256, num_warps=4, num_stages=4, split_k=0)),
+    (64, W8A8Config(64, 64, 256, num_warps=4, num_stages=4, split_k=0)),
+    (128, W8A8Config(64, 128, 128, num_warps=4, num_stages=4)),
+    (256, W8A8Config(128, 128, 128, num_warps=8, num_stages=4)),
+    (None, W8A8Config(128, 256, 128, num_warps=8, num_stages=3)),
+]
+
+
+def sweep_configs(m: int) -> list[W8A8Config]:
+    """Candidate configurations for ``m`` tokens (benchmarks/kernels.py --w8a8-sweep times them all)."""
+    out = []
+    if m <= 64:
+        bms = [16] if m <= 16 else ([32] if m <= 32 else [32, 64])
+        for bm in bms:
+            for bn in (64, 128):
+                for bk in (128, 256, 512):
+                    for st in (3, 4, 5):
+                        for sk in (0, 1):
+                            if (bm + bn) * bk * st > 200 * 1024:  # shared memory of the pipeline stages
+                                continue
+                            out.append(W8A8Config(bm, bn, bk, 4, st, sk))
+    else:
+        bms = [64, 128] if m <= 256 else [128]
+        for bm in bms:
+            for bn in (128, 256):
+                for bk in (64, 128):
+                    for st in (3, 4, 5):
+                        for nw in (4, 8):
+                            if (bm + bn) * bk * st > 200 * 1024 or (bn == 256 and nw == 4):
+                                continue
+                            out.append(W8A8Config(bm, bn, bk, nw, st, 1))
+    return out
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def pick_config(m: int, n: int, k: int, device: torch.device | None = None,
+                table: list[tuple[int | None, W8A8Config]] | None = None) -> W8A8Config:
+    """The tile configuration for an ``[m, k] x [k, n]`` product: the first row of ``table`` (default
+    :data:`CONFIGS`) covering ``m``, with ``split_k == 0`` resolved from the SM count. Host-only, no sync."""
+    for max_m, cfg in (table or CONFIGS):
+        if max_m is None or m <= max_m:
+            break
+    if cfg.split_k == 0:
+        cfg = W8A8Config(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
+                         auto_split_k(m, n, k, cfg, _sm_count(device or torch.device("cpu"))), cfg.group_m)
+    return cfg
+
+
+def auto_split_k(m: int, n: int, k: int, cfg: W8A8Config, sms: int) -> int:
+    """Enough K splits that about two programs run per SM, each still streaming >= 4 K blocks."""
+    tiles = math.ceil(m / cfg.block_m) * math.ceil(n / cfg.block_n)
+    k_blocks = math.ceil(k / cfg.block_k)
+    want = max(1, (2 * sms) // max(tiles, 1))
+    return max(1, min(want, k_blocks // 4, 32))
+
+
+# ------------------------------------------------------------------------------------------------ workspace
+_WS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+_CNT_SLOTS = 8192
+
+
+def reserve_workspace(device: torch.device | str, rows: int, n: int) -> None:
+    """Make the split-K workspace of ``device`` hold ``rows x n`` int32 partial sums (zeroed). Call before any
+    CUDA-graph capture: growing it allocates."""
+    device = torch.device(device)
+    key = str(device)
+    need = rows * n
+    ws = _WS.get(key)
+    if ws is None or ws[0].numel() < need:
+        _WS[key] = (torch.zeros(max(need, 1), dtype=torch.int32, device=device),
+                    torch.zeros(_CNT_SLOTS, dtype=torch.int32, device=device))
+
+
+def workspace_rows(table: list[tuple[int | None, W8A8Config]] | None = None) -> int:
+    """Rows of split-K workspace the table's split-K buckets can use (M rounded up to BLOCK_M)."""
+    rows = 0
+    for max_m, cfg in (table or CONFIGS):
+        if cfg.split_k != 1:
+            rows = max(rows, math.ceil((max_m or 64) / cfg.block_m) * cfg.block_m)
+    return max(rows, 16)
+
+
+def _workspace(device: torch.device, rows: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ws = _WS.get(str(device))
+    if ws is None or ws[0].numel() < rows * n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"triton-w8a8 split-K workspace too small for {rows}x{n} during CUDA-graph capture: "
+                               "call lqe.kernels.triton_w8a8.reserve_workspace before capturing")
+        reserve_workspace(device, rows, n)
+        ws = _WS[str(device)]
+    return ws
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+if triton is not None:
+
+    @triton.jit
+    def _epilogue(acc, rm, rn, M, N, out_ptr, stride_om, a_scale_ptr, a_scale_stride, w_scale_ptr,
+                  azp_ptr, azp_stride, colsum_ptr, bias_ptr, HAS_AZP: tl.constexpr, HAS_BIAS: tl.constexpr):
+        mask_m = rm < M
+        mask_n = rn < N
+        if HAS_AZP:  # int64: an asymmetric row whose range excludes 0 can have |azp| > 127
+            azp = tl.load(azp_ptr + rm * azp_stride, mask=mask_m, other=0).to(tl.int64)
+            cs = tl.load(colsum_ptr + rn, mask=mask_n, other=0).to(tl.int64)
+            accf = (acc.to(tl.int64) - azp[:, None] * cs[None, :]).to(tl.float32)
+        else:
+            accf = acc.to(tl.float32)
+        sa = tl.load(a_scale_ptr + rm * a_scale_stride, mask=mask_m, other=0.0)
+        sw = tl.load(w_scale_ptr + rn, mask=mask_n, other=0.0)
+        y = (sa[:, None] * sw[None, :]) * accf
+        if HAS_BIAS:
+            y = y + tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=mask_m[:, None] & mask_n[None, :])
+
+    @triton.jit
+    def _w8a8_mm_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, w_scale_ptr, azp_ptr, colsum_ptr, bias_ptr,
+                        ws_ptr, cnt_ptr, M, N, K, stride_am, stride_bn, stride_om, a_scale_stride, azp_stride,
+                        HAS_AZP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+        pid = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        in_group = GROUP_M * num_pid_n
+        first_m = (pid // in_group) * GROUP_M
+        size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % in_group) % size_m
+        pid_n = (pid % in_group) // size_m
+
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # out-of-range rows / columns load a valid row again instead of masking (stores are masked)
+        ram = tl.max_contiguous(tl.multiple_of(rm % M, BLOCK_M), BLOCK_M)
+        rbn = tl.max_contiguous(tl.multiple_of(rn % N, BLOCK_N), BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+
+        k_blocks = tl.cdiv(K, BLOCK_K)
+        per_split = tl.cdiv(k_blocks, SPLIT_K)
+        kb0 = pid_k * per_split
+        kb1 = tl.minimum(kb0 + per_split, k_blocks)
+        a_ptrs = a_ptr + ram[:, None] * stride_am + (kb0 * BLOCK_K + rk)[None, :]
+        b_ptrs = b_ptr + rbn[None, :] * stride_bn + (kb0 * BLOCK_K + rk)[:, None]  # [BLOCK_K, BLOCK_N], K-major
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        for kb in range(kb0, kb1):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                kmask = (kb * BLOCK_K + rk) < K
+                a = tl.load(a_ptrs, mask=kmask[None, :], other=0)
+                b = tl.load(b_ptrs, mask=kmask[:, None], other=0)
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+
+        if SPLIT_K == 1:
+            _epilogue(acc, rm, rn, M, N, out_ptr, stride_om, a_scale_ptr, a_scale_stride, w_scale_ptr,
+                      azp_ptr, azp_stride, colsum_ptr, bias_ptr, HAS_AZP, HAS_BIAS)
+        else:
+            mask = (rm < M)[:, None] & (rn < N)[None, :]
+            ws_ptrs = ws_ptr + rm[:, None] * N + rn[None, :]
+            tl.atomic_add(ws_ptrs, acc, mask=mask, sem="relaxed")
+            tl.debug_barrier()  # every thread's partial sums are issued before the (release) arrival below
+            tile = pid_m * num_pid_n + pid_n
+            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:  # last program of this tile: read the total, leave zeros behind
+                total = tl.atomic_xchg(ws_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32), mask=mask)
+                tl.atomic_xchg(cnt_ptr + tile, 0)
+                _epilogue(total, rm, rn, M, N, out_ptr, stride_om, a_scale_ptr, a_scale_stride, w_scale_ptr,
+                          azp_ptr, azp_stride, colsum_ptr, bias_ptr, HAS_AZP, HAS_BIAS)
+
+    @triton.jit
+    def _epilogue_kernel(c_ptr, out_ptr, a_scale_ptr, w_scale_ptr, azp_ptr, colsum_ptr, bias_ptr, M, N,
+                         stride_cm, stride_om, a_scale_stride, azp_stride, HAS_AZP: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.load(c_ptr + rm[:, None] * stride_cm + rn[None, :], mask=(rm < M)[:, None] & (rn < N)[None, :],
+                      other=0)
+        _epilogue(acc, rm, rn, M, N, out_ptr, stride_om, a_scale_ptr, a_scale_stride, w_scale_ptr,
+                  azp_ptr, azp_stride, colsum_ptr, bias_ptr, HAS_AZP, HAS_BIAS)
+
+
+# ------------------------------------------------------------------------------------------------ host side
+def _vec(t: torch.Tensor | None, m: int, dtype: torch.dtype) -> tuple[torch.Tensor | None, int]:
+    """Per-token ``[M]`` / ``[M, 1]`` or one-element tensor -> (contiguous tensor, stride 1 or 0). No sync."""
+    if t is None:
+        return None, 0
+    t = t.reshape(-1)
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    if t.numel() == 1:
+        return t, 0
+    if t.numel() != m:
+        raise ValueError(f"per-token tensor has {t.numel()} elements for M={m}")
+    return t.contiguous(), 1
+
+
+def _check(xq: torch.Tensor, w: torch.Tensor) -> None:
+    if xq.dtype != torch.int8 or w.dtype != torch.int8:
+        raise ValueError(f"triton-w8a8 needs int8 activations and weights, got {xq.dtype} and {w.dtype}")
+    if xq.dim() != 2 or w.dim() != 2 or xq.shape[1] != w.shape[1]:
+        raise ValueError(f"triton-w8a8: xq {tuple(xq.shape)} and w [N, K] {tuple(w.shape)} do not match")
+    if w.stride(1) != 1:
+        raise ValueError("triton-w8a8: the weight must be [N, K] with K contiguous")
+
+
+def w8a8_mm(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+            azp: torch.Tensor | None = None, colsum: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+            out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None,
+            config: W8A8Config | None = None) -> torch.Tensor:
+    """int8 ``xq [M, K]`` x int8 ``w [N, K]`` with the fused epilogue (see the module docstring)."""
+    _check(xq, w)
+    m, k = xq.shape
+    n = w.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if m == 0:
+        return out
+    if xq.stride(1) != 1:
+        xq = xq.contiguous()
+    cfg = config or pick_config(m, n, k, xq.device)
+    if cfg.split_k == 0:
+        cfg = pick_config(m, n, k, xq.device, [(None, cfg)])
+    sa, sa_stride = _vec(a_scale, m, torch.float32)
+    zp, zp_stride = _vec(azp, m, torch.int32)
+    if zp is not None and colsum is None:
+        raise ValueError("triton-w8a8: asymmetric activations need the weight's colsum")
+    w_scale = w_scale.reshape(-1)
+    grid_mn = math.ceil(m / cfg.block_m) * math.ceil(n / cfg.block_n)
+    split_k = min(cfg.split_k, math.ceil(k / cfg.block_k))
+    if split_k > 1:
+        ws, cnt = _workspace(xq.device, math.ceil(m / cfg.block_m) * cfg.block_m, n)
+        if grid_mn > cnt.numel():
+            split_k = 1
+    else:
+        ws = cnt = w_scale  # unused
+    if split_k <= 1:
+        split_k = 1
+        ws = cnt = w_scale
+    _w8a8_mm_kernel[(grid_mn, split_k)](
+        xq, w, out, sa, w_scale, zp if zp is not None else sa, colsum if zp is not None else w_scale,
+        bias if bias is not None else w_scale, ws, cnt, m, n, k, xq.stride(0), w.stride(0), out.stride(0),
+        sa_stride, zp_stride, HAS_AZP=zp is not None, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, GROUP_M=cfg.group_m,
+        EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def w8a8_epilogue(acc: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor, azp: torch.Tensor | None = None,
+                  colsum: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                  out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The epilogue alone on an int32 product ``acc [M, N]`` (one read of ``acc``, one write of ``out``)."""
+    m, n = acc.shape
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype, device=acc.device)
+    if m == 0:
+        return out
+    sa, sa_stride = _vec(a_scale, m, torch.float32)
+    zp, zp_stride = _vec(azp, m, torch.int32)
+    w_scale = w_scale.reshape(-1)
+    bm, bn = 32, 128
+    _epilogue_kernel[(math.ceil(m / bm), math.ceil(n / bn))](
+        acc, out, sa, w_scale, zp if zp is not None else sa, colsum if zp is not None else w_scale,
+        bias if bias is not None else w_scale, m, n, acc.stride(0), out.stride(0), sa_stride, zp_stride,
+        HAS_AZP=zp is not None, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
+    return out
+
+
+def int_mm_unsupported(m: int, n: int, k: int) -> str | None:
+    """Why ``torch._int_mm`` refuses this product (its own checks, evaluated on the host), or ``None``."""
+    if m <= 16:
+        return f"torch._int_mm needs M > 16 (M={m})"
+    if k % 8 or n % 8:
+        return f"torch._int_mm needs K and N multiples of 8 (K={k}, N={n})"
+    return None
+
+
+def int_mm_w8a8(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                azp: torch.Tensor | None = None, colsum: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch._int_mm(xq, w.t())`` (cuBLASLt int8, column-major B) then :func:`w8a8_epilogue`."""
+    _check(xq, w)
+    acc = torch._int_mm(xq.contiguous(), w.t())
+    return w8a8_epilogue(acc, a_scale, w_scale, azp, colsum, bias, out_dtype, out)

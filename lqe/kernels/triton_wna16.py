@@ -1,0 +1,392 @@
+"""Triton W4A16 / W8A16 GEMM (tensor cores) and dequantize kernels over the lqe CUDA kernel's packed layout.
+
+The kernels read ``PackedWNA16.qweight`` exactly as :mod:`lqe.kernels.repack` lays it out for the CUDA GEMM
+(16x64 fragment tiles, see that module), so a layer keeps ONE copy of its 4/8-bit weights whichever kernel
+runs: a ``[BLOCK_K/16, BLOCK_N*bits/2]`` int32 tile is contiguous along N (wide loads), each word is split
+into its nibbles/bytes by broadcast shifts into an 8-D (4-bit) / 7-D (8-bit) tensor whose axes are the bits
+of (row, column) inside the fragment tile, and one ``tl.permute`` + ``tl.reshape`` turns that into the
+``[BLOCK_K, BLOCK_N]`` operand of ``tl.dot``. The permutation adds no pass of its own (Triton 3.6 folds it into
+a linear layout; the dequantized operand goes through shared memory on its way to the tensor cores anyway), but
+those shared-memory stores are partly 16-bit wide: part of the instruction count below.
+
+GEMM (``FACTORED``): codes become floats with one OR (``0x4300 | q`` is ``128 + q`` in bf16, ``0x6400 | q`` is
+``1024 + q`` in fp16; 8-bit bf16 converts), the zero point (``z + C``) is subtracted in the activation dtype
+(exact small integers, packed HADD2 on sm_90), ``d = x_blk @ (q - z)`` runs on the tensor cores in fp32 and
+``acc += d * s``: the group scale is applied on ``[BLOCK_M, BLOCK_N]`` per K block instead of on every weight.
+Every K block lies inside one group (``group_size % BLOCK_K == 0``, or one group over K), which also covers a
+short last group. ``FACTORED=False`` dequantizes each weight (``(q - z) * s`` rounded to the activation dtype,
+as the CUDA kernel does) and accumulates with ``tl.dot(x, w, acc)`` (fewer live registers: large tiles).
+(sm_90 SASS, bf16 4-bit, BM=16 BN=128 BK=128: ~5.3 instructions per weight per K block, no spills; measured
+alternatives: a rowsum correction instead of the subtraction cost 12.6, with the rowsum on the tensor cores
+it spilled.) Split-K writes fp32 partials ``[S, M, N]`` that a second kernel sums in a fixed order
+(deterministic, no atomics, no host sync): every launch parameter is a host function of shapes, so the calls
+can be captured in a CUDA graph.
+
+Configs come from :func:`pick_config` (a small table per M bucket, then split-K from the SM count), never
+from ``triton.autotune`` at call time; :func:`sweep_configs` lists the candidates ``benchmarks/kernels.py
+--wna16-sweep`` times so the table can be chosen from one GPU run.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    triton = None
+
+from lqe.kernels.repack import PackedWNA16
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True, slots=True)
+class WNA16Config:
+    """One launch configuration. ``split_k=0``: chosen from the grid size and SM count."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+    split_k: int = 0
+    factored: bool = True
+
+    def label(self) -> str:
+        return (f"m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
+                f"{'' if self.split_k == 0 else f'x{self.split_k}'}{'' if self.factored else '-dq'}")
+
+
+# Per M bucket (first row with max_m >= M). NEEDS MEASUREMENT: `benchmarks/kernels.py --wna16-sweep` prints
+# the best candidate per (shape, M); copy the winners here. Register use of these (sm_90, Triton 3.6, bf16 4-bit,
+# checked with cuobjdump): 196 / ~200 / 251 / 254 registers, no spills. The factored form keeps a second
+# [BM, BN] fp32 tile (the block's dot) live, so large tiles use FACTORED=False (BM=128 x BN=256 spills either way).
+CONFIG_TABLE: list[tuple[int | None, WNA16Config]] = [
+    (16, WNA16Config(16, 128, 128, 4, 4)),
+    (32, WNA16Config(32, 128, 128, 4, 4)),
+    (64, WNA16Config(64, 128, 64, 4, 4)),
+    (None, WNA16Config(128, 128, 64, 8, 3, factored=False)),
+]
+CTAS_PER_SM = 2  # split-K aims for this many CTAs per SM. NEEDS MEASUREMENT
+MIN_K_BLOCKS_PER_SPLIT = 4  # never split K finer than this many BLOCK_K blocks
+MAX_SPLIT_K = 16
+DEQUANT_BLOCK = (64, 256)  # (K rows, N columns) per dequantize program
+
+
+def unavailable_reason(device: torch.device | str) -> str | None:
+    """Why the Triton W4A16 kernels cannot run on ``device`` (``None``: they can)."""
+    device = torch.device(device)
+    if triton is None:
+        return "triton is not installed"
+    if device.type != "cuda" and not (_INTERPRET and device.type == "cpu"):
+        return f"device is {device.type}, triton-wna16 needs cuda"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return "CUDA is not available"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        return "compute capability < 8.0 (bf16 tensor cores need Ampere+)"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: small, fixed, so CPU tests exercise split-K
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def fit_block_k(block_k: int, group_size: int, k: int) -> int:
+    """The largest power-of-two ``<= block_k`` (>= 16) whose K blocks never straddle a group boundary."""
+    bk = block_k
+    while bk > 16 and not (group_size % bk == 0 or group_size >= k):
+        bk //= 2
+    return bk
+
+
+def resolve(cfg: WNA16Config, m: int, n: int, k: int, group_size: int,
+            device: torch.device) -> tuple[WNA16Config, int, int]:
+    """``(config with fitted block_k, split count S, K blocks per split)``; a pure function of shapes. S divides
+    the number of K blocks (the largest divisor not above the wanted count)."""
+    bk = fit_block_k(cfg.block_k, group_size, k)
+    kblocks = -(-k // bk)
+    split = cfg.split_k
+    if split == 0:
+        tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+        split = max(1, min(MAX_SPLIT_K, (sm_count(device) * CTAS_PER_SM) // tiles, kblocks // MIN_K_BLOCKS_PER_SPLIT))
+    split = max(1, min(split, kblocks))
+    while kblocks % split:
+        split -= 1
+    return replace(cfg, block_k=bk, split_k=split), split, kblocks // split
+
+
+def pick_config(m: int, n: int, k: int) -> WNA16Config:
+    """The table's config for ``m`` tokens (block_k and split-K are fitted later by :func:`resolve`)."""
+    for max_m, cfg in CONFIG_TABLE:
+        if max_m is None or m <= max_m:
+            return cfg
+    return CONFIG_TABLE[-1][1]
+
+
+def sweep_configs(m: int) -> list[WNA16Config]:
+    """Candidates worth timing for ``m`` tokens (small on purpose: the whole sweep must run in minutes). The
+    table's own config comes first."""
+    C = WNA16Config
+    if m <= 32:
+        bm = 16 if m <= 16 else 32
+        out = [C(bm, bn, 128, 4, st) for bn in (64, 128, 256) for st in (3, 5)] + [C(bm, 128, 64, 4, 4)]
+        out += [C(bm, 128, 128, 4, 4, split_k=1), C(bm, 128, 128, 8, 4)]
+    elif m <= 64:
+        out = [C(64, bn, bk, 4, st) for bn in (64, 128) for bk in (64, 128) for st in (3, 4)]
+        out += [C(64, 128, 64, 8, 4), C(64, 128, 64, 4, 4, factored=False)]
+    else:
+        out = [C(128, 128, 64, 8, st, factored=False) for st in (3, 4)]
+        out += [C(128, 256, 64, 8, 3, factored=False), C(64, 128, 64, 4, 4), C(64, 256, 64, 8, 3, factored=False),
+                C(128, 128, 32, 4, 4, factored=False), C(128, 128, 64, 8, 3)]
+    first = pick_config(m, 0, 0)
+    return [first] + [c for c in out if c != first]
+
+
+# --------------------------------------------------------------------------------------------------- kernels
+if triton is not None:
+
+    @triton.jit
+    def _unpack_codes(words, KT: tl.constexpr, NT: tl.constexpr, BITS: tl.constexpr):
+        """int32 words ``[KT, NT*32*BITS]`` (fragment layout) -> int32 codes ``[KT*16, NT*64]`` (K x N)."""
+        if BITS == 4:
+            # word (g8, t4, w), nibble p = 4*p2 + 2*p1 + p0 holds row 8*p0 + 2*t4 + p2, column 16*w + 8*p1 + g8
+            w = tl.reshape(words, (KT, NT, 8, 4, 4, 1, 1, 1))
+            p2 = tl.arange(0, 2)[:, None, None]
+            p1 = tl.arange(0, 2)[None, :, None]
+            p0 = tl.arange(0, 2)[None, None, :]
+            shift = tl.reshape(16 * p2 + 8 * p1 + 4 * p0, (1, 1, 1, 1, 1, 2, 2, 2))
+            v = (w >> shift) & 0xF  # [KT, NT, g8, t4, w, p2, p1, p0]
+            v = tl.permute(v, (0, 7, 3, 5, 1, 4, 6, 2))  # [KT, p0, t4, p2, NT, w, p1, g8]
+        else:
+            # word (g8, t4, j), byte b = 2*b1 + b0 holds row 8*b0 + 2*t4 + b1, column 8*j + g8
+            w = tl.reshape(words, (KT, NT, 8, 4, 8, 1, 1))
+            b1 = tl.arange(0, 2)[:, None]
+            b0 = tl.arange(0, 2)[None, :]
+            shift = tl.reshape(16 * b1 + 8 * b0, (1, 1, 1, 1, 1, 2, 2))
+            v = (w >> shift) & 0xFF  # [KT, NT, g8, t4, j, b1, b0]
+            v = tl.permute(v, (0, 6, 3, 5, 1, 4, 2))  # [KT, b0, t4, b1, NT, j, g8]
+        return tl.reshape(v, (KT * 16, NT * 64))
+
+    @triton.jit
+    def _load_codes(QW, k0, n0, K, N, BK: tl.constexpr, BN: tl.constexpr, BITS: tl.constexpr):
+        """Codes ``[BK, BN]`` of rows ``k0..`` and columns ``n0..`` (both multiples of 16 / 64); 0 outside."""
+        KT: tl.constexpr = BK // 16
+        WPT: tl.constexpr = 32 * BITS  # int32 words per 16x64 tile
+        kt = k0 // 16 + tl.arange(0, KT)
+        wc = (n0 // 64) * WPT + tl.arange(0, BN // 64 * WPT)
+        row_words = (N // 64) * WPT
+        ptr = QW + kt.to(tl.int64)[:, None] * row_words + wc[None, :]
+        mask = (kt[:, None] < K // 16) & (wc[None, :] < row_words)
+        words = tl.load(ptr, mask=mask, other=0)
+        return _unpack_codes(words, KT, BN // 64, BITS)
+
+    @triton.jit
+    def _stored_col(cols):
+        """Scale/zero storage column of logical column ``cols`` (permuted inside every 64-block)."""
+        return (cols // 64) * 64 + (cols % 8) * 8 + (cols % 64) // 8
+
+    @triton.jit
+    def _wna16_gemm_kernel(X, QW, S, Z, Bias, Out, Part, M, N, K, group_size, k_iters, stride_xm, stride_om,
+                           BITS: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           MAGIC: tl.constexpr, MAGIC_C: tl.constexpr, FACTORED: tl.constexpr,
+                           EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+                           BM: tl.constexpr, BN: tl.constexpr,
+                           BK: tl.constexpr, GROUP_M: tl.constexpr):
+        pid = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        grid_m = tl.cdiv(M, BM)
+        grid_n = tl.cdiv(N, BN)
+        width = GROUP_M * grid_n  # L2 swizzle: GROUP_M row tiles walk the same weight columns together
+        group_id = pid // width
+        first_m = group_id * GROUP_M
+        size_m = tl.minimum(grid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % width) % size_m
+        pid_n = (pid % width) // size_m
+
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        n0 = pid_n * BN
+        offs_n = n0 + tl.arange(0, BN)
+        n_mask = offs_n < N
+        scol = _stored_col(offs_n)
+        dt = X.dtype.element_ty
+        KT: tl.constexpr = BK // 16
+        WPT: tl.constexpr = 32 * BITS  # int32 words per 16x64 fragment tile
+        row_words = (N // 64) * WPT
+        k_lo = pid_k * (k_iters * BK)
+        offs_k = k_lo + tl.arange(0, BK)
+        kt = k_lo // 16 + tl.arange(0, KT)
+        wc = (n0 // 64) * WPT + tl.arange(0, BN // 64 * WPT)
+        m_mask = offs_m < M
+        # pointers advance by one K block per iteration (no per-iteration index math beyond the add)
+        x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+        w_ptrs = QW + kt.to(tl.int64)[:, None] * row_words + wc[None, :]
+        s_ptrs = S + scol
+        z_ptrs = Z + scol
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for it in range(k_iters):  # splits divide the K blocks evenly: no empty or ragged split
+            k0 = k_lo + it * BK
+            if EVEN_K:
+                x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            else:
+                x = tl.load(x_ptrs, mask=m_mask[:, None] & (offs_k[None, :] < K - it * BK), other=0.0)
+            if EVEN_K and EVEN_N:
+                words = tl.load(w_ptrs)
+            else:
+                words = tl.load(w_ptrs, mask=(kt[:, None] < K // 16 - it * KT) & (wc[None, :] < row_words), other=0)
+            q = _unpack_codes(words, KT, BN // 64, BITS)
+            g_off = (k0 // group_size) * N
+            if EVEN_N:
+                s = tl.load(s_ptrs + g_off).to(tl.float32)
+            else:
+                s = tl.load(s_ptrs + g_off, mask=n_mask, other=0.0).to(tl.float32)
+            if HAS_ZP:
+                if EVEN_N:
+                    z = tl.load(z_ptrs + g_off).to(tl.float32)
+                else:
+                    z = tl.load(z_ptrs + g_off, mask=n_mask, other=0.0).to(tl.float32)
+            else:
+                z = tl.full((BN,), 1 << (BITS - 1), tl.float32)
+            if FACTORED:
+                if MAGIC != 0:
+                    qf = (q | MAGIC).to(tl.int16).to(dt, bitcast=True)  # = MAGIC_C + q, exactly
+                else:
+                    qf = q.to(tl.float32).to(dt)  # exact: codes < 256
+                if DOT_F32:  # interpreter: its bf16 arithmetic and dot are wrong, stay in fp32
+                    d = tl.dot(x.to(tl.float32), qf.to(tl.float32) - (z + MAGIC_C)[None, :])
+                else:
+                    qf = qf - (z + MAGIC_C).to(dt)[None, :]  # q - z: exact small integers (packed HSUB2)
+                    d = tl.dot(x, qf)
+                acc += d * s[None, :]
+            else:
+                w = ((q.to(tl.float32) - z[None, :]) * s[None, :]).to(dt)
+                if DOT_F32:
+                    acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc)
+                else:
+                    acc = tl.dot(x, w, acc)
+            x_ptrs += BK
+            w_ptrs += KT * row_words
+        mask = (offs_m[:, None] < M) & n_mask[None, :]
+        if SPLIT:
+            tl.store(Part + (pid_k * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :], acc, mask=mask)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(Out + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], acc.to(Out.dtype.element_ty),
+                     mask=mask)
+
+    @triton.jit
+    def _splitk_reduce_kernel(Part, Bias, Out, M, N, stride_om, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                              BM: tl.constexpr, BN: tl.constexpr):
+        offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+        offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        idx = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for s in range(SPLITS):  # fixed order: deterministic
+            acc += tl.load(Part + s * M * N + idx, mask=mask, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(Bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(Out + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], acc.to(Out.dtype.element_ty),
+                 mask=mask)
+
+    @triton.jit
+    def _wna16_dequant_kernel(QW, S, Z, W, N, K, group_size, BITS: tl.constexpr, HAS_ZP: tl.constexpr,
+                              BK: tl.constexpr, BN: tl.constexpr):
+        k0 = tl.program_id(0) * BK
+        n0 = tl.program_id(1) * BN
+        KT: tl.constexpr = BK // 16
+        q = tl.reshape(_load_codes(QW, k0, n0, K, N, BK, BN, BITS).to(tl.float32), (KT, 16, BN))
+        offs_n = n0 + tl.arange(0, BN)
+        kt = k0 // 16 + tl.arange(0, KT)
+        pmask = (kt[:, None, None] < K // 16) & (offs_n[None, None, :] < N)
+        sidx = (kt * 16 // group_size)[:, None, None] * N + _stored_col(offs_n)[None, None, :]
+        s = tl.load(S + sidx, mask=pmask, other=0.0).to(tl.float32)
+        if HAS_ZP:
+            z = tl.load(Z + sidx, mask=pmask, other=0.0).to(tl.float32)
+        else:
+            z = (1 << (BITS - 1)) * 1.0
+        # (q - z) is an exact small integer and s has <= 11 significant bits: one rounding, as the CUDA kernel
+        w = tl.reshape((q - z) * s, (BK, BN)).to(W.dtype.element_ty)
+        offs_k = k0 + tl.arange(0, BK)
+        mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
+        tl.store(W + offs_k.to(tl.int64)[:, None] * N + offs_n[None, :], w, mask=mask)
+
+
+def _magic(dtype: torch.dtype, bits: int) -> tuple[int, float]:
+    """``(OR mask, value it adds)`` turning a code into a float with one OR; ``(0, 0)``: convert instead."""
+    if dtype == torch.float16:
+        return 0x6400, 1024.0  # 1024 + q exact for q < 1024
+    if bits == 4:
+        return 0x4300, 128.0  # bf16: 128 + q exact for q < 128
+    return 0, 0.0  # bf16 8-bit: 128 + 255 is not representable
+
+
+def gemm(x: torch.Tensor, p: PackedWNA16, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+         config: WNA16Config | None = None) -> torch.Tensor:
+    """``x [M, K] @ W + bias`` for contiguous ``x`` already gathered by ``p.perm`` (act-order), in x's dtype."""
+    m, k = x.shape
+    n = p.n
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    cfg, split, k_iters = resolve(config or pick_config(m, n, k), m, n, k, p.group_size, x.device)
+    magic, magic_c = _magic(x.dtype, p.bits)
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
+    _wna16_gemm_kernel[grid](
+        x, p.qweight, p.scales, p.zeros if p.zeros is not None else p.scales, bias if bias is not None else p.scales,
+        out, part, m, n, k, p.group_size, k_iters, x.stride(0), out.stride(0),
+        BITS=p.bits, HAS_ZP=p.zeros is not None, HAS_BIAS=bias is not None, MAGIC=magic, MAGIC_C=magic_c,
+        FACTORED=cfg.factored, EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, SPLIT=split > 1,
+        DOT_F32=_INTERPRET and x.dtype == torch.bfloat16,
+        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=8,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split > 1:
+        rbm, rbn = 16, 256
+        _splitk_reduce_kernel[(triton.cdiv(m, rbm), triton.cdiv(n, rbn))](
+            part, bias if bias is not None else part, out, m, n, out.stride(0), SPLITS=split,
+            HAS_BIAS=bias is not None, BM=rbm, BN=rbn, num_warps=4)
+    return out
+
+
+def dequantize(p: PackedWNA16, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense ``[K, N]`` weights in sorted-K order and the scales' dtype (bit-equal to the CUDA dequantize)."""
+    if out is None:
+        out = torch.empty(p.k, p.n, dtype=p.scales.dtype, device=p.qweight.device)
+    bk, bn = DEQUANT_BLOCK
+    _wna16_dequant_kernel[(triton.cdiv(p.k, bk), triton.cdiv(p.n, bn))](
+        p.qweight, p.scales, p.zeros if p.zeros is not None else p.scales, out, p.n, p.k, p.group_size,
+        BITS=p.bits, HAS_ZP=p.zeros is not None, BK=bk, BN=bn, num_warps=8)
+    return out
+
+
+def dequant_matmul(x: torch.Tensor, p: PackedWNA16, bias: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton dequantize into a temporary ``[K, N]`` + cuBLAS (prefill-sized M)."""
+    w = dequantize(p, torch.empty(p.k, p.n, dtype=x.dtype, device=x.device))
+    if out is None:
+        out = torch.empty(x.shape[0], p.n, dtype=x.dtype, device=x.device)
+    if bias is None:
+        return torch.matmul(x, w, out=out)
+    return torch.addmm(bias, x, w, out=out)
+
+
+def flops_bytes(m: int, n: int, k: int, bits: int, group_size: int, has_zp: bool) -> tuple[float, float]:
+    """``(FLOPs, minimal bytes)`` of one GEMM call (bf16/fp16 activations; used by the benchmark)."""
+    groups = math.ceil(k / group_size)
+    wbytes = k * n * bits / 8 + groups * n * 2 * (2 if has_zp else 1)
+    return 2.0 * m * n * k, wbytes + 2 * m * k + 2 * m * n
