@@ -40,11 +40,43 @@ BUILD_S=$(python -c "import time;print(round(time.time()-$t0,1))")
 
 skip() { [[ " ${LQE_SKIP:-} " == *" $1 "* ]] && stage_rc[$1]=-1; }
 
-echo "== [2/4] GPU tests"
+echo "== [2/4] GPU tests (${LQE_TEST_JOBS:-4} pytest processes side by side)"
 if ! skip tests; then
-  timeout "${LQE_TEST_TIMEOUT:-300}" python -m pytest -m gpu ${LQE_TESTS:-tests/gpu} -q -p no:cacheprovider \
-    --junitxml="$LOGDIR/gpu-tests.xml" 2>&1 | tee "$LOGDIR/gpu-tests.txt" | tail -40
-  stage_rc[tests]=${PIPESTATUS[0]}
+  # the test files split into LQE_TEST_JOBS groups of about equal size, run concurrently on the one GPU (the tests
+  # are latency-bound and small; nothing in them is timed), each group writing its own JUnit XML
+  rm -f "$LOGDIR"/gpu-tests-*.xml
+  mapfile -t groups < <(python - ${LQE_TESTS:-tests/gpu} <<'PY'
+import os, sys
+jobs = int(os.environ.get("LQE_TEST_JOBS", "4"))
+files = []
+for arg in sys.argv[1:]:
+    if os.path.isdir(arg):
+        files += [os.path.join(arg, f) for f in sorted(os.listdir(arg)) if f.startswith("test_") and f.endswith(".py")]
+    else:
+        files.append(arg)
+groups = [[] for _ in range(max(1, jobs))]
+sizes = [0] * len(groups)
+for f in sorted(files, key=lambda f: -os.path.getsize(f.split("::")[0])):
+    i = sizes.index(min(sizes))
+    groups[i].append(f)
+    sizes[i] += os.path.getsize(f.split("::")[0])
+for g in groups:
+    if g:
+        print(" ".join(g))
+PY
+)
+  pids=()
+  for i in "${!groups[@]}"; do
+    timeout "${LQE_TEST_TIMEOUT:-300}" python -m pytest -m gpu ${groups[$i]} -q -p no:cacheprovider \
+      --junitxml="$LOGDIR/gpu-tests-$i.xml" > "$LOGDIR/gpu-tests-$i.txt" 2>&1 &
+    pids+=($!)
+  done
+  stage_rc[tests]=0
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}"; rc=$?
+    echo "-- group $i (${groups[$i]}): exit $rc"; tail -15 "$LOGDIR/gpu-tests-$i.txt"
+    (( rc != 0 )) && stage_rc[tests]=$rc
+  done
 fi
 
 echo "== [3/4] kernel benchmark"
@@ -61,17 +93,19 @@ if ! skip e2e; then
   stage_rc[e2e]=${PIPESTATUS[0]}
 fi
 
-python - "$OUTDIR/gpu-$SLUG.json" "$LOGDIR/gpu-tests.xml" "$BUILD_S" "${stage_rc[build]}" "${stage_rc[tests]}" \
+python - "$OUTDIR/gpu-$SLUG.json" "$LOGDIR" "$BUILD_S" "${stage_rc[build]}" "${stage_rc[tests]}" \
   "${stage_rc[kernels]}" "${stage_rc[e2e]}" <<'EOF'
 import json, os, subprocess, sys
 import xml.etree.ElementTree as ET
 
 import torch
 
-out, xml_path, build_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
+import glob
+
+out, logdir, build_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
 rcs = dict(zip(("build", "tests", "kernels", "e2e"), map(int, sys.argv[4:8])))
 tests = {"passed": 0, "failed": 0, "skipped": 0, "failed_ids": []}
-if os.path.exists(xml_path):
+for xml_path in sorted(glob.glob(os.path.join(logdir, "gpu-tests-*.xml"))):
     for case in ET.parse(xml_path).getroot().iter("testcase"):
         cid = f"{case.get('classname')}::{case.get('name')}"
         if case.find("failure") is not None or case.find("error") is not None:
