@@ -132,11 +132,11 @@ def quantize_per_token_ref(x: torch.Tensor, symmetric: bool = True):
 
 def w8a8_gemm_ref(xq: torch.Tensor, a_scale: torch.Tensor, azp: torch.Tensor | None, p: PackedW8A8,
                   bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """The int8 kernel's epilogue on an exact int64 accumulator."""
-    wq = unpack_w8a8(p).to(torch.int64)
-    acc = xq.cpu().to(torch.int64) @ wq
+    """The int8 kernel's epilogue on an exact accumulator (float64: integer partial sums below 2^53)."""
+    wq = unpack_w8a8(p).to(torch.float64)
+    acc = xq.cpu().to(torch.float64) @ wq
     if azp is not None:
-        acc = acc - azp.cpu().to(torch.int64)[:, None] * p.colsum.cpu().to(torch.int64)[None, :]
+        acc = acc - azp.cpu().to(torch.float64)[:, None] * p.colsum.cpu().to(torch.float64)[None, :]
     y = acc.float() * a_scale.cpu().float().reshape(-1, 1) * p.w_scale.cpu().float()[None, :]
     if bias is not None:
         y = y + bias.cpu().float()

@@ -11,13 +11,16 @@ import torch
 def per_token_quant_int8(x: torch.Tensor, symmetric: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Dynamic per-row int8 quantization of ``x [M, K]``.
 
-    symmetric: ``s = absmax/127``, ``q = sat(round(x * 127/absmax))``.
+    symmetric: ``s = absmax/127``, ``q = sat(round(x * 127/absmax))``. Every quotient is the correctly rounded fp32
+    one (``127/absmax`` is formed in float64 and rounded once: torch's CPU ``scalar / tensor`` multiplies by a
+    reciprocal instead, which differs in the last bit for a quarter of the values); the CUDA kernel
+    (csrc/gemm/quant_per_token.cu, ``__fdiv_rn``) computes the same bits.
     asymmetric: ``s = (max-min)/255``, ``azp = round(-128 - min/s)``, ``q = sat(round(x/s) + azp)``.
     All-zero rows give ``s = 0`` and ``q = 0`` (``azp = 0``). Returns ``(q int8, s float32 [M,1], azp int32 [M,1] | None)``."""
     xf = x.float()
     if symmetric:
         absmax = xf.abs().amax(dim=-1, keepdim=True)
-        inv = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
+        inv = torch.where(absmax > 0, (127.0 / absmax.double()).float(), torch.zeros_like(absmax))
         q = torch.round(xf * inv).clamp(-128, 127).to(torch.int8)
         return q, absmax / 127.0, None
     xmin, xmax = xf.amin(dim=-1, keepdim=True), xf.amax(dim=-1, keepdim=True)
@@ -46,14 +49,16 @@ def int8_gemm_ref(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """``x_q [M, K]`` int8 times ``w_q [N, K]`` int8 (torch layout) with int32 accumulation (computed exactly
-    in int64 here), then ``s_a [M,1]|scalar * s_w [N]|[N,1]|scalar * (acc - azp * colsum) + bias``."""
-    acc = x_q.to(torch.int64) @ w_q.to(torch.int64).t()
+    """``x_q [M, K]`` int8 times ``w_q [N, K]`` int8 (torch layout) with int32 accumulation, then
+    ``s_a [M,1]|scalar * s_w [N]|[N,1]|scalar * (acc - azp * colsum) + bias``. The accumulator is computed in
+    float64, which is exact here (every partial sum is an integer below ``K * 2^14 < 2^53``) and runs on BLAS,
+    on any device (an int64 matmul has no BLAS and takes minutes at prefill sizes)."""
+    acc = x_q.to(torch.float64) @ w_q.to(torch.float64).t()
     if azp is not None:
-        colsum = w_q.to(torch.int64).sum(dim=1)
-        acc = acc - torch.as_tensor(azp, dtype=torch.int64) * colsum
-    s_w = torch.as_tensor(s_w, dtype=torch.float32).reshape(-1)
-    s_a = torch.as_tensor(s_a, dtype=torch.float32)
+        colsum = w_q.to(torch.float64).sum(dim=1)
+        acc = acc - torch.as_tensor(azp, dtype=torch.float64, device=acc.device) * colsum
+    s_w = torch.as_tensor(s_w, dtype=torch.float32, device=acc.device).reshape(-1)
+    s_a = torch.as_tensor(s_a, dtype=torch.float32, device=acc.device)
     out = s_a.reshape(-1, 1) * s_w.reshape(1, -1) * acc.to(torch.float32) if s_a.numel() > 1 else s_a * s_w * acc.float()
     if bias is not None:
         out = out + bias.float()
