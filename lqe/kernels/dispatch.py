@@ -14,12 +14,12 @@ from __future__ import annotations
 # tensor cores, configs per M in its CONFIG_TABLE), "triton-dequant+cublas" (Triton dequantize at memory speed,
 # then cuBLAS), "dequant+cublas" (the CUDA dequantize, then cuBLAS). All read the same packed weights. A kernel
 # that is unavailable (no triton, extension not built) is replaced by its counterpart (lqe/kernels/gemm.py).
-# NEEDS MEASUREMENT on the H100 (benchmarks/kernels.py [--wna16-sweep]); expected from issue 14's numbers and
-# byte/instruction counts: CUDA wins M <= 4, the Triton GEMM from M = 8, dequantize + cuBLAS at prefill sizes.
-WNA16_TABLE: list[tuple[int | None, str]] = [
-    (4, "lqe-wna16-fused"),
-    (128, "triton-wna16"),
-    (None, "triton-dequant+cublas"),
+# Rows set from one H100 run of benchmarks/kernels.py (2026-11-22, lqe f1c96af): every W4A16 path is still
+# slower than bf16 from M = 16 on (issue 14); the Triton configs have not been swept yet (--wna16-sweep).
+WNA16_TABLE: list[tuple[int | None, str]] = [  # H100, benchmarks/results/kernels-nvidia-h100-80gb-hbm3.json
+    (16, "lqe-wna16-fused"),  # geo-mean over the 4 Llama-3-8B shapes vs cuBLAS bf16: 1.8x (M=1), 1.1x (8), 0.78x (16)
+    (64, "triton-wna16"),  # 0.92x (M=32), 0.64x (64)
+    (None, "triton-dequant+cublas"),  # 0.55x (128), 0.58x (256), 0.76x (1024)
 ]
 
 # ------------------------------------------------------------------------------------------------ W8A8 int8 / FP8
