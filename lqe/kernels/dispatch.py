@@ -14,12 +14,16 @@ from __future__ import annotations
 # tensor cores, configs per M in its CONFIG_TABLE), "triton-dequant+cublas" (Triton dequantize at memory speed,
 # then cuBLAS), "dequant+cublas" (the CUDA dequantize, then cuBLAS). All read the same packed weights. A kernel
 # that is unavailable (no triton, extension not built) is replaced by its counterpart (lqe/kernels/gemm.py).
-# Rows set from one H100 run of benchmarks/kernels.py (2026-11-22, lqe f1c96af): every W4A16 path is still
-# slower than bf16 from M = 16 on (issue 14); the Triton configs have not been swept yet (--wna16-sweep).
-WNA16_TABLE: list[tuple[int | None, str]] = [  # H100, benchmarks/results/kernels-nvidia-h100-80gb-hbm3.json
-    (16, "lqe-wna16-fused"),  # geo-mean over the 4 Llama-3-8B shapes vs cuBLAS bf16: 1.8x (M=1), 1.1x (8), 0.78x (16)
-    (64, "triton-wna16"),  # 0.92x (M=32), 0.64x (64)
-    (None, "triton-dequant+cublas"),  # 0.55x (128), 0.58x (256), 0.76x (1024)
+# H100, 2026-11-22: benchmarks/results/kernels-nvidia-h100-80gb-hbm3.json (Llama-3-8B layer shapes) and
+# e2e-nvidia-h100-80gb-hbm3.json. The layer benchmark favours the CUDA kernel up to M=16 (geo-mean 1.1x bf16 at
+# M=8, 0.78x at 16, Triton 0.62x at 16); but with that table the e2e decode at batch 16 fell from 7585 to 3621
+# tok/s (smollm2 shape, K=576) and from 4889 to 2642 (qwen2.5-0.5b shape), so the Triton GEMM keeps M=5..128.
+# Every W4A16 path is still slower than bf16 from M=16 on for N <= 6144 (issue 14); the Triton configs have not
+# been swept yet (benchmarks/kernels.py --wna16-sweep).
+WNA16_TABLE: list[tuple[int | None, str]] = [
+    (4, "lqe-wna16-fused"),  # 1.5-2.1x cuBLAS bf16 at M=1
+    (128, "triton-wna16"),  # 0.2-1.5x: good on wide N (gate_up 1.5x), poor on N=4096-6144 at M<=16 (0.2-0.3x)
+    (None, "triton-dequant+cublas"),  # 0.5-0.8x: the dequantize runs at 85 % of copy bandwidth, then cuBLAS
 ]
 
 # ------------------------------------------------------------------------------------------------ W8A8 int8 / FP8
