@@ -40,29 +40,21 @@ BUILD_S=$(python -c "import time;print(round(time.time()-$t0,1))")
 
 skip() { [[ " ${LQE_SKIP:-} " == *" $1 "* ]] && stage_rc[$1]=-1; }
 
-echo "== [2/4] GPU tests (${LQE_TEST_JOBS:-4} pytest processes side by side)"
+echo "== [2/4] GPU tests (${LQE_TEST_JOBS:-6} pytest processes side by side)"
 if ! skip tests; then
-  # the test files split into LQE_TEST_JOBS groups of about equal size, run concurrently on the one GPU (the tests
+  # the test ids split into LQE_TEST_JOBS groups, run concurrently on the one GPU (the tests
   # are latency-bound and small; nothing in them is timed), each group writing its own JUnit XML
   rm -f "$LOGDIR"/gpu-tests-*.xml
-  mapfile -t groups < <(python - ${LQE_TESTS:-tests/gpu} <<'PY'
+  # test ids dealt round-robin over the groups, so the heavy parametrized files spread evenly
+  python -m pytest -m gpu ${LQE_TESTS:-tests/gpu} --collect-only -q -p no:cacheprovider 2>/dev/null \
+    | grep "::" > "$LOGDIR/gpu-test-ids.txt"
+  mapfile -t groups < <(python - "$LOGDIR/gpu-test-ids.txt" <<'PY'
 import os, sys
-jobs = int(os.environ.get("LQE_TEST_JOBS", "4"))
-files = []
-for arg in sys.argv[1:]:
-    if os.path.isdir(arg):
-        files += [os.path.join(arg, f) for f in sorted(os.listdir(arg)) if f.startswith("test_") and f.endswith(".py")]
-    else:
-        files.append(arg)
-groups = [[] for _ in range(max(1, jobs))]
-sizes = [0] * len(groups)
-for f in sorted(files, key=lambda f: -os.path.getsize(f.split("::")[0])):
-    i = sizes.index(min(sizes))
-    groups[i].append(f)
-    sizes[i] += os.path.getsize(f.split("::")[0])
-for g in groups:
-    if g:
-        print(" ".join(g))
+jobs = max(1, int(os.environ.get("LQE_TEST_JOBS", "6")))
+ids = [line.strip() for line in open(sys.argv[1]) if line.strip()]
+for g in range(jobs):
+    if ids[g::jobs]:
+        print(" ".join(ids[g::jobs]))
 PY
 )
   pids=()
@@ -74,14 +66,14 @@ PY
   stage_rc[tests]=0
   for i in "${!pids[@]}"; do
     wait "${pids[$i]}"; rc=$?
-    echo "-- group $i (${groups[$i]}): exit $rc"; tail -15 "$LOGDIR/gpu-tests-$i.txt"
+    echo "-- group $i ($(wc -w <<< "${groups[$i]}") tests): exit $rc"; tail -15 "$LOGDIR/gpu-tests-$i.txt"
     (( rc != 0 )) && stage_rc[tests]=$rc
   done
 fi
 
 echo "== [3/4] kernel benchmark"
 if ! skip kernels; then
-  timeout "${LQE_KERNELS_TIMEOUT:-150}" python benchmarks/kernels.py --out "$OUTDIR/kernels-$SLUG.json" 2>&1 \
+  timeout "${LQE_KERNELS_TIMEOUT:-150}" python benchmarks/kernels.py --m ${LQE_KERNEL_MS:-1 4 16 64 256 1024} --out "$OUTDIR/kernels-$SLUG.json" 2>&1 \
     | tee "$LOGDIR/kernels.txt" | tail -60
   stage_rc[kernels]=${PIPESTATUS[0]}
 fi
