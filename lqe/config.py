@@ -30,8 +30,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # exact block count, overrides both budgets (tests use it)
     enforce_eager: bool = False  # CUDA: no decode graphs (every step eager)
     max_cudagraph_batch: int = 256  # largest decode batch replayed from a CUDA graph (capped by max_num_seqs)
+    allow_nonfinite_weights: bool = False  # load NaN/inf weights or non-positive scales with a warning (else an error)
     revision: str | None = None
     trust_remote_code: bool = False
+    tensor_parallel_size: int = 1  # ranks (processes, one device each) the model is sharded over
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -44,6 +46,7 @@ class EngineConfig:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("block_size", self.block_size)
         _positive("max_cudagraph_batch", self.max_cudagraph_batch)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         if self.num_kv_blocks is not None:

@@ -8,10 +8,11 @@ from tqdm.auto import tqdm
 
 from lqe.config import EngineConfig
 from lqe.engine.llm_engine import LLMEngine
+from lqe.inputs import PromptType, parse_prompt, parse_prompts
 from lqe.outputs import RequestOutput
 from lqe.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+Prompt = PromptType
 Message = dict[str, str]
 
 
@@ -30,15 +31,18 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the sampling fields of the model's ``generation_config.json`` (vLLM's rule)."""
+        return self.llm_engine.default_sampling_params()
+
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion with continuous batching; outputs come back in prompt order.
 
-        ``prompts`` is a string, a list of token ids, or a list of either."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        params = _broadcast(sampling_params, len(prompts))
+        ``prompts`` is a string, a list of token ids, a ``TextPrompt`` / ``TokensPrompt`` dict, or a list of
+        these. Without ``sampling_params`` the model's ``generation_config.json`` gives the defaults."""
+        prompts = parse_prompts(prompts)
+        params = _broadcast(sampling_params, len(prompts), self.get_default_sampling_params)
         ids = []
         try:
             for prompt, p in zip(prompts, params):
@@ -75,7 +79,15 @@ class LLM:
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the request's cumulative output after every step that changed it; the last one is finished.
 
-        Other requests already in the engine keep being served while this iterator is consumed."""
+        ``prompt`` is one prompt in any form ``generate`` takes (checked here, before the first step). Other
+        requests already in the engine keep being served while this iterator is consumed."""
+        if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], int):
+            raise TypeError("stream() takes one prompt; call it once per prompt, or use generate() for a list")
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams or None, got {type(sampling_params).__name__}")
+        return self._stream(parse_prompt(prompt), sampling_params)
+
+    def _stream(self, prompt: str | list[int], sampling_params: SamplingParams | None) -> Iterator[RequestOutput]:
         rid = f"stream-{next(self._ids)}"
         self.llm_engine.add_request(rid, prompt, sampling_params)
         try:
@@ -106,11 +118,13 @@ class LLM:
         return [results[i] for i in ids]
 
 
-def _broadcast(params, n: int) -> list[SamplingParams]:
+def _broadcast(params, n: int, default) -> list[SamplingParams]:
     if params is None:
-        return [SamplingParams() for _ in range(n)]
+        return [default() for _ in range(n)]
     if isinstance(params, SamplingParams):
         return [params] * n
+    if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+        raise TypeError(f"sampling_params must be a SamplingParams, a list of them, or None; got {params!r:.80}")
     params = list(params)
     if len(params) != n:
         raise ValueError(f"got {len(params)} sampling params for {n} prompts; give one, or one per prompt")

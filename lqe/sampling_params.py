@@ -1,7 +1,67 @@
 """SamplingParams: how one request is decoded. Validated on construction with messages that name the value."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """Constrain a request's output, as vLLM's ``StructuredOutputsParams``: exactly one of ``json`` (a JSON
+    schema, as a dict or a JSON string), ``regex``, ``choice`` (the output is one of these strings),
+    ``grammar`` (EBNF, xgrammar's dialect) or ``json_object=True`` (any JSON object). Applied in the sampler as
+    a token mask compiled by xgrammar; the request finishes when the grammar is complete."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    backend: str | None = None  # accepted for vLLM compatibility; lqe always uses xgrammar
+    whitespace_pattern: str | None = None  # accepted for vLLM compatibility; must be None
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"StructuredOutputsParams needs exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {given or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                _json_loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"StructuredOutputsParams.json is a string but not valid JSON: {e}") from None
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(f"StructuredOutputsParams.json must be a JSON schema dict or string, got {type(self.json).__name__}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or \
+                    not all(isinstance(c, str) for c in self.choice):
+                raise ValueError(f"StructuredOutputsParams.choice must be a non-empty list of strings, got {self.choice!r}")
+            self.choice = list(self.choice)
+        for k in ("regex", "grammar"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"StructuredOutputsParams.{k} must be a non-empty string, got {v!r}")
+        if self.backend not in (None, "auto", "xgrammar"):
+            raise ValueError(f"structured output backend {self.backend!r} is not available; lqe uses 'xgrammar'")
+        if self.whitespace_pattern is not None:
+            raise ValueError("whitespace_pattern is not supported (xgrammar backend); use disable_any_whitespace")
+
+    def kind(self) -> tuple[str, Any]:
+        """``(kind, value)``: the one constraint that is set."""
+        for k in ("json", "regex", "choice", "grammar", "json_object"):
+            v = getattr(self, k)
+            if v not in (None, False):
+                return k, v
+        raise AssertionError("unreachable: validated in __post_init__")
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
+
+
+def _json_loads(text: str) -> Any:
+    return json.loads(text)
 
 
 @dataclass(slots=True)
@@ -24,6 +84,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # 0 = only the logprob of each prompt token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's older spelling; moved to structured_outputs
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -62,6 +124,12 @@ class SamplingParams:
             raise ValueError(f"stop={self.stop!r} must be a string or a list of non-empty strings")
         self._stop_list = stop
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("give structured_outputs or guided_decoding (its older name), not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
 
     @property
     def stop_strings(self) -> list[str]:

@@ -208,7 +208,6 @@ BAD = [
     ("completions", {"model": "tiny", "prompt": 5}, "prompt"),
     ("completions", {"model": "tiny", "prompt": "x", "max_tokens": "ten"}, "max_tokens"),
     ("completions", {"model": "tiny", "prompt": "x", "temperature": "hot"}, "temperature"),
-    ("completions", {"model": "nope", "prompt": "x"}, "model"),
     ("completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("completions", {"model": "tiny", "prompt": "x", "max_tokens": -3}, "max_tokens"),
     ("completions", {"model": "tiny", "prompt": "x", "max_tokens": MAX_LEN}, "max_tokens"),

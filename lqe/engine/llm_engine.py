@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Iterable
@@ -63,17 +65,29 @@ class LLMEngine:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
                              f"{cfg.max_position_embeddings}")
         self.quant_config = _quant_config(self.model_dir, raw, config.quantization)
+        self.generation_defaults = read_generation_defaults(self.model_dir)
         self.tokenizer = _load_tokenizer(config.tokenizer or self.model_dir, config.trust_remote_code)
         self.eos_token_ids = set(cfg.eos_token_id)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
         torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config, self.model_dir, cfg, self.quant_config, self.device, self.dtype)
-        self.runner.allocate_kv_cache(self.max_model_len)
+        self.tp = None  # tensor parallelism: the worker processes of ranks 1..N-1 (this process is rank 0)
+        if config.tensor_parallel_size > 1:
+            self._start_tensor_parallel()
+        try:
+            self.runner = ModelRunner(config, self.model_dir, cfg, self.quant_config, self.device, self.dtype)
+            self.runner.allocate_kv_cache(self.max_model_len)
+        except BaseException as e:
+            if self.tp is not None:
+                err = self.tp.fail("loading the model", e)
+                if err is not e:
+                    raise err from e
+            raise
         self.runner.capture_cuda_graphs()
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, _Request] = {}
+        self.structured = None  # StructuredOutputs, built on the first request that asks for it
         self._seq_ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -83,6 +97,23 @@ class LLMEngine:
             self.quant_description(), self.runner.weight_bytes() / 2**20, self.runner.num_blocks, config.block_size,
             self.runner.kv_cache.numel() * self.runner.kv_cache.element_size() / 2**20, self.runner.attention_backend,
             time.perf_counter() - t0)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` updated with the sampling fields of the model's ``generation_config.json``, as vLLM
+        does when the caller passes none (``max_new_tokens`` becomes ``max_tokens``)."""
+        return SamplingParams(**self.generation_defaults)
+
+    def _start_tensor_parallel(self) -> None:
+        from lqe.distributed.worker import RunnerBuilder, TPWorkerGroup
+
+        builder = RunnerBuilder(self.config, self.model_dir, self.model_config, self.quant_config, self.device,
+                                self.dtype, self.max_model_len)
+        self.tp = TPWorkerGroup(self.config.tensor_parallel_size, builder)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do with one rank); also runs at interpreter exit."""
+        if self.tp is not None:
+            self.tp.shutdown()
 
     def quant_description(self) -> str:
         kinds: dict[str, int] = {}
@@ -96,7 +127,7 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
@@ -114,6 +145,8 @@ class LLMEngine:
         if len(ids) > self.max_model_len - 1:
             raise ValueError(f"the prompt has {len(ids)} tokens, but max_model_len={self.max_model_len} leaves room for "
                              f"at most {self.max_model_len - 1} prompt tokens (and one generated token)")
+        if params.structured_outputs is not None:
+            self._structured().compile(params.structured_outputs)  # a bad schema fails here, naming the problem
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = []
         for i in range(params.n):
@@ -124,6 +157,8 @@ class LLMEngine:
             if params.prompt_logprobs is not None:
                 seq.prompt_logprobs.append(None)
             detokenizer.init_offsets(seq)
+            if params.structured_outputs is not None:
+                self.structured.add(seq.seq_id, params.structured_outputs)
             seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = _Request(request_id, text, list(ids), params, seqs, arrival)
@@ -135,6 +170,8 @@ class LLMEngine:
             if req is None:
                 continue
             for seq in req.seqs:
+                if self.structured is not None:
+                    self.structured.remove(seq.seq_id)
                 if not seq.is_finished:
                     self.scheduler.finish(seq, "abort")
 
@@ -154,7 +191,10 @@ class LLMEngine:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("no request could be scheduled although nothing is running (KV cache exhausted)")
             return []
-        result = self.runner.execute(sched, self._sampling_batch(sched))
+        if self.tp is not None:
+            result = self.tp.execute(self.runner, sched, self._sampling_batch(sched))
+        else:
+            result = self.runner.execute(sched, self._sampling_batch(sched))
         return self._process(sched, result)
 
     def _sampling_batch(self, sched: SchedulerOutput) -> SamplingBatch | None:
@@ -175,6 +215,7 @@ class LLMEngine:
             generators=[s.generator for s in seqs], output_token_ids=[s.output_token_ids for s in seqs],
             prompt_token_ids=[s.prompt_token_ids for s in seqs], banned_token_ids=banned,
             num_logprobs=[s.params.logprobs for s in seqs],
+            token_bitmask=None if self.structured is None else self.structured.bitmask([s.seq_id for s in seqs]),
         )
 
     def _process(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
@@ -203,6 +244,10 @@ class LLMEngine:
                 seq.output_logprobs.append(d)
                 seq.cumulative_logprob += lp.token_logprob
             self._check_stop(seq, token)
+            if self.structured is not None:
+                done = self.structured.accept(seq.seq_id, token)
+                if done and not seq.is_finished:  # the grammar is complete (its stop token was ignore_eos'd)
+                    self._finish(seq, "stop", None)
             touched[seq.request_id] = None
         return [self._request_output(self.requests[rid]) for rid in touched if rid in self.requests]
 
@@ -224,7 +269,16 @@ class LLMEngine:
         if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
             self._finish(seq, "length", None)
 
+    def _structured(self):
+        if self.structured is None:
+            from lqe.structured_output import StructuredOutputs
+
+            self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
+        return self.structured
+
     def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
+        if self.structured is not None:
+            self.structured.remove(seq.seq_id)
         if self.tokenizer is not None and reason != "stop":
             seq.output_text += detokenizer.decode_new_text(self.tokenizer, seq, flush=True)
         self.scheduler.finish(seq, reason, stop_reason)
@@ -253,6 +307,37 @@ class LLMEngine:
 
     def _decode1(self, token: int) -> str | None:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else None
+
+
+_GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                      "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def read_generation_defaults(model_dir: str) -> dict:
+    """The SamplingParams fields set by ``generation_config.json`` (``{}`` when it is absent or sets none).
+
+    As in vLLM, ``do_sample`` is not consulted. Values SamplingParams refuses are
+    dropped with a warning naming them instead of making every default request fail."""
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            gen = json.load(f)
+    except (OSError, ValueError) as e:
+        logger.warning("ignoring %s: %s", path, e)
+        return {}
+    out = {dst: gen[src] for src, dst in _GENERATION_FIELDS.items() if gen.get(src) is not None}
+    for key, value in list(out.items()):
+        try:
+            SamplingParams(**{key: value})
+        except (TypeError, ValueError) as e:
+            logger.warning("generation_config.json: ignoring %s=%r (%s)", key, value, e)
+            del out[key]
+    if out:
+        logger.info("default sampling params from generation_config.json: %s (pass SamplingParams to override)",
+                    ", ".join(f"{k}={v}" for k, v in out.items()))
+    return out
 
 
 def _pick_device(name: str) -> torch.device:

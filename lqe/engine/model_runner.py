@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 from lqe.config import EngineConfig
+from lqe.distributed.comm import tp_min_int
+from lqe.distributed.parallel_state import get_tp_rank, get_tp_size
 from lqe.engine.cuda_graph import CudaGraphRunner, batch_buckets, bucket_for
 from lqe.engine.scheduler import SchedulerOutput
 from lqe.engine.step_inputs import StepInputBuilder, StepInputs, StepLayout
@@ -26,6 +28,7 @@ from lqe.loaders.hf_config import ModelConfig
 from lqe.loaders.weights import iterate_weights, load_weights
 from lqe.models import get_model_class
 from lqe.quant_layers.base import QuantConfig
+from lqe.quant_layers.checks import check_model_weights
 
 logger = logging.getLogger("lqe")
 
@@ -48,7 +51,10 @@ class ModelRunner:
         cls = get_model_class(model_cfg)
         with torch.device(device):
             self.model: nn.Module = cls(model_cfg, quant_config, dtype)
-        load_weights(self.model, iterate_weights(model_dir))
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        # tensor-parallel ranks read only their slices of each safetensors tensor
+        load_weights(self.model, iterate_weights(model_dir, lazy=self.tp_size > 1))
+        check_model_weights(self.model, allow=config.allow_nonfinite_weights)  # NaN / inf / zero scales
         for module in self.model.modules():
             method = getattr(module, "quant_method", None)
             if method is not None:
@@ -59,6 +65,9 @@ class ModelRunner:
             if isinstance(module, Attention):
                 module.backend = backend
         self.attention_backend = backend.name
+        # this rank's KV heads (all of them with one rank)
+        self.num_kv_heads = next((m.num_kv_heads for m in self.model.modules() if isinstance(m, Attention)),
+                                 model_cfg.num_key_value_heads)
         self.sampler = Sampler()
         self.kv_cache: torch.Tensor | None = None
         self.kv_caches: list[torch.Tensor] = []  # per-layer views of kv_cache
@@ -80,7 +89,7 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         c = self.model_cfg
-        return 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * self.dtype.itemsize
+        return 2 * c.num_hidden_layers * self.block_size * self.num_kv_heads * c.head_dim * self.dtype.itemsize
 
     def allocate_kv_cache(self, max_model_len: int) -> None:
         per_block = self.kv_bytes_per_block()
@@ -93,6 +102,7 @@ class ModelRunner:
             num_blocks = max(0, budget // per_block)
         else:
             num_blocks = (self.config.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES) // per_block
+        num_blocks = tp_min_int(num_blocks)  # every rank holds the same blocks (identity with one rank)
         needed = -(-max_model_len // self.block_size)
         if num_blocks < needed:
             raise MemoryError(
@@ -100,7 +110,7 @@ class ModelRunner:
                 f"max_model_len={max_model_len} tokens needs {needed} blocks ({needed * per_block / 2**20:.1f} MiB). "
                 "Raise kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len.")
         c = self.model_cfg
-        self.kv_cache = torch.zeros(c.num_hidden_layers, 2, num_blocks, self.block_size, c.num_key_value_heads,
+        self.kv_cache = torch.zeros(c.num_hidden_layers, 2, num_blocks, self.block_size, self.num_kv_heads,
                                     c.head_dim, dtype=self.dtype, device=self.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.num_blocks = num_blocks
@@ -117,13 +127,13 @@ class ModelRunner:
         (and round) the same way, whatever the current sequence lengths."""
         buckets = batch_buckets(self.config.max_num_seqs, self.config.max_cudagraph_batch)
         b = bucket_for(num_seqs, buckets) or num_seqs
-        return choose_num_splits(b, self.model_cfg.num_key_value_heads, self.max_model_len, self.device)
+        return choose_num_splits(b, self.num_kv_heads, self.max_model_len, self.device)
 
     def capture_cuda_graphs(self, runner_cls: type[CudaGraphRunner] = CudaGraphRunner) -> None:
         """Capture the decode graphs (CUDA only, unless ``enforce_eager``); call after :meth:`allocate_kv_cache`.
         ``runner_cls=EagerPaddedRunner`` runs the same padded decode path eagerly (any device: for tests)."""
-        if runner_cls is CudaGraphRunner and (self.device.type != "cuda" or self.config.enforce_eager):
-            return
+        if runner_cls is CudaGraphRunner and (self.device.type != "cuda" or self.config.enforce_eager or self.tp_size > 1):
+            return  # tensor-parallel steps run eagerly: no collectives are captured in graphs
         self.graph_runner = runner_cls(
             self.model, self.kv_caches, self.inputs, batch_buckets(self.config.max_num_seqs, self.config.max_cudagraph_batch),
             self.table_width, self.max_model_len, self.block_size, self.decode_splits)
@@ -151,6 +161,7 @@ class ModelRunner:
             logits = self.graph_runner.run(sched)
             if logits is not None:
                 self._wait_for_gpu()
+                check_logits_finite(logits, sched)
                 return StepResult(self.sampler(logits, sampling), {})
         hidden, inp = self.forward(sched)
         sampled = None
@@ -158,7 +169,9 @@ class ModelRunner:
             rows = hidden if inp.sample_rows is None else hidden[inp.sample_rows]
             logits = self.model.compute_logits(rows)
             self._wait_for_gpu()
-            sampled = self.sampler(logits, sampling)
+            if self.tp_rank == 0:  # workers of a tensor-parallel engine only take part in the collectives
+                check_logits_finite(logits, sched)
+                sampled = self.sampler(logits, sampling)
         return StepResult(sampled, self._prompt_logprobs(sched, hidden, inp.meta.query_start_loc_cpu))
 
     def _wait_for_gpu(self) -> None:
@@ -196,3 +209,24 @@ class ModelRunner:
                     entries.append((c0 + 1 + j, d))
             result[i] = entries
         return result
+
+
+class NonFiniteLogitsError(RuntimeError):
+    """The model produced NaN / inf logits: sampling from them would emit garbage (token 0 forever)."""
+
+    def __init__(self, message: str, request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
+
+
+def check_logits_finite(logits: torch.Tensor, sched: SchedulerOutput) -> None:
+    """Raise ``NonFiniteLogitsError`` naming the requests whose logits hold NaN / inf (one pass, one sync)."""
+    ok = torch.isfinite(logits).all(dim=-1)
+    if bool(ok.all()):
+        return
+    rows = [s.seq for s in sched.scheduled if s.samples]
+    bad = sorted({rows[i].request_id for i in torch.nonzero(~ok).flatten().tolist() if i < len(rows)})
+    raise NonFiniteLogitsError(
+        f"the model produced non-finite logits (NaN / inf) for request(s) {', '.join(bad) or '?'}: the weights or "
+        "the activations overflowed (fp16 overflow, or a corrupt checkpoint loaded with allow_nonfinite_weights); "
+        "the request failed instead of emitting garbage. Try dtype='bfloat16' or 'float32'", bad)

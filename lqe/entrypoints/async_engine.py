@@ -1,7 +1,8 @@
 """AsyncEngine: many concurrent asyncio requests over one ``LLMEngine``.
 
-The engine is not thread-safe, so every call into it (``step``, ``add_request``, ``abort_request``,
-tokenization) runs in one dedicated worker thread, in submission order. An asyncio task keeps that thread
+The engine is not thread-safe, so every call into it (``step``, ``add_request``, ``abort_request``) runs in one
+dedicated worker thread, in submission order. Tokenizing requests (and /detokenize) runs in a second thread on
+its own copy of the tokenizer, so neither the event loop nor the engine's steps wait for a long prompt. An asyncio task keeps that thread
 busy with ``step()`` while any request is unfinished and sleeps otherwise. Each request delivers its
 cumulative ``RequestOutput``s to an ``asyncio.Queue`` owned by the caller; several requests may share one
 queue (a completion with several prompts). A failing step does not stop the loop: every request in flight
@@ -10,6 +11,7 @@ gets a ``RequestFailed`` on its queue, is aborted in the engine (freeing its KV 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable
@@ -34,6 +36,9 @@ class AsyncEngine:
         self._loop_task: asyncio.Task | None = None
         self._stats = engine.stats()
         self.num_step_errors = 0
+        self._tok_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lqe-tokenizer")
+        self._tokenizer = _own_copy(engine.tokenizer)
+        self.max_token_chars = _max_token_chars(engine.tokenizer)
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -56,8 +61,30 @@ class AsyncEngine:
             self._fail(rids, RequestFailed("the server is shutting down"))
             await self.run(self.engine.abort_request, rids)
 
+    async def drain(self, grace_s: float) -> list[str]:
+        """Graceful shutdown: let in-flight requests finish for up to ``grace_s`` seconds, then fail the rest
+        (their clients get an error saying so) and free their KV blocks. Returns the aborted request ids."""
+        loop = asyncio.get_running_loop()
+        if self._queues:
+            logger.warning("lqe: shutting down: waiting up to %g s for %d request(s) in flight", grace_s,
+                           len(self._queues))
+        deadline = loop.time() + grace_s
+        while self._queues and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(self._queues)
+        if left:
+            logger.warning("lqe: shutdown grace period of %g s is over: aborting %d request(s): %s", grace_s,
+                           len(left), ", ".join(left))
+            self._fail(left, RequestFailed(f"the server is shutting down: this request was aborted after the "
+                                           f"{grace_s:g} s grace period (--shutdown-grace-period)"))
+            await self.run(self.engine.abort_request, left)
+        else:
+            logger.info("lqe: shutting down: no request left in flight")
+        return left
+
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+        self._tok_executor.shutdown(wait=True, cancel_futures=True)
 
     @property
     def is_running(self) -> bool:
@@ -67,6 +94,10 @@ class AsyncEngine:
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` in the engine thread, between steps, and return its result (or raise its error)."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._call, fn, args)
+
+    async def run_tokenizer(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(tokenizer, *args)`` in the tokenizer thread (on its own tokenizer copy)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tok_executor, fn, self._tokenizer, *args)
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           queue: asyncio.Queue) -> None:
@@ -161,3 +192,26 @@ class AsyncEngine:
             q = self._queues.pop(rid, None)
             if q is not None:
                 q.put_nowait(error)
+
+
+def _own_copy(tokenizer):
+    """A private copy for the tokenizer thread (HF fast tokenizers are not meant to be shared across threads)."""
+    if tokenizer is None:
+        return None
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception:  # an exotic tokenizer that cannot be copied: share it (the engine only decodes with it)
+        logger.warning("lqe: the tokenizer cannot be copied; the tokenizer thread shares the engine's")
+        return tokenizer
+
+
+def _max_token_chars(tokenizer) -> int:
+    """The most characters of text one token can stand for (at least the length of its vocabulary string: byte-level
+    BPE spells each byte as one character, SentencePiece each character as one). Bounds a prompt's characters
+    by ``max_model_len`` before it is tokenized."""
+    if tokenizer is None:
+        return 1 << 30
+    try:
+        return max(8, max(len(t) for t in tokenizer.get_vocab()))
+    except Exception:
+        return 1 << 30

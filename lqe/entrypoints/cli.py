@@ -8,25 +8,59 @@ import sys
 from lqe.loaders.model_source import DEMO_MODEL
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to a flag's help unless it has no meaningful default or already names it."""
+
+    def _get_help_string(self, action):
+        if (action.default is None or action.default is False or action.default == argparse.SUPPRESS
+                or not action.option_strings or action.nargs == 0 or "default" in (action.help or "")):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _quant_name(text: str) -> str:
+    from lqe.quant_layers.resolve import ALIASES
+
+    if text.strip().lower() not in ALIASES:
+        raise argparse.ArgumentTypeError(f"unknown quantization method {text!r}; choose one of {', '.join(sorted(ALIASES))}")
+    return text
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEMO_MODEL, help=f"local HF directory, hub id, or {DEMO_MODEL!r} (default)")
-    p.add_argument("--quantization", default=None, help="gptq | awq | compressed-tensors (default: auto-detect)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV-cache budget (CPU default 1 GiB)")
+    p.add_argument("--model", default=DEMO_MODEL, help="local HF directory, hub id (org/name), or the demo model")
+    p.add_argument("--quantization", default=None, type=_quant_name,
+                   help="gptq | awq | compressed-tensors | w8a8 | fp8 | int8, or vLLM's gptq_marlin / awq_marlin / "
+                        "marlin (default: auto-detect from the checkpoint). fp8 / int8 on a float checkpoint "
+                        "quantize it at load time")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="activation dtype; auto = fp32 on CPU, the checkpoint's fp16/bf16 on GPU")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda when available")
+    p.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=64, help="most sequences decoded together")
+    p.add_argument("--kv-cache-memory-bytes", type=_positive_int, default=None,
+                   help="KV-cache budget in bytes (default: 1 GiB on CPU, --gpu-memory-utilization on GPU)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: run every step eagerly (no decode CUDA graphs)")
-    p.add_argument("--max-cudagraph-batch", type=int, default=256,
+    p.add_argument("--max-cudagraph-batch", type=_positive_int, default=256,
                    help="largest decode batch replayed from a CUDA graph (default 256, capped by --max-num-seqs)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=_positive_int, default=128, help="most tokens generated per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="per-request sampling seed (default: random)")
 
 
 def _llm(args):
@@ -46,15 +80,16 @@ def _params(args):
 
 
 def cmd_generate(args) -> int:
-    llm = _llm(args)
+    params = _params(args)  # bad sampling values fail before the model loads
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         print("error: give --prompt TEXT (repeatable) or prompts on stdin", file=sys.stderr)
         return 2
+    llm = _llm(args)
     if args.chat:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], _params(args), use_tqdm=False)
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
     else:
-        outs = llm.generate(prompts, _params(args), use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         c = out.outputs[0]
         print(f"### {prompt}\n{c.text}\n[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}]")
@@ -62,6 +97,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
+    params = _params(args)
     llm = _llm(args)
     history: list[dict[str, str]] = []
     if args.system:
@@ -84,7 +120,7 @@ def cmd_chat(args) -> int:
         ids = llm.apply_chat_template(history)
         print("assistant> ", end="", flush=True)
         shown = ""
-        for out in llm.stream(ids, _params(args)):
+        for out in llm.stream(ids, params):
             text = out.outputs[0].text
             print(text[len(shown):], end="", flush=True)
             shown = text
@@ -93,16 +129,17 @@ def cmd_chat(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lqe", description="Inference engine for quantized LLMs")
+    parser = argparse.ArgumentParser(prog="lqe", description="Inference engine for quantized LLMs",
+                                     formatter_class=HelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine start-up details")
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="complete prompts and print the results")
+    g = sub.add_parser("generate", help="complete prompts and print the results", formatter_class=HelpFormatter)
     _engine_args(g)
     _sampling_args(g)
     g.add_argument("--prompt", action="append", help="prompt text (repeatable); default: one per stdin line")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template as a user message")
     g.set_defaults(func=cmd_generate)
-    c = sub.add_parser("chat", help="interactive streaming chat")
+    c = sub.add_parser("chat", help="interactive streaming chat", formatter_class=HelpFormatter)
     _engine_args(c)
     _sampling_args(c)
     c.add_argument("--system", default=None, help="system prompt")
@@ -116,9 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("lqe").setLevel(logging.INFO if args.verbose else logging.WARNING)
     try:
         rc = args.func(args)
-    except (ValueError, FileNotFoundError, TypeError, MemoryError) as e:
+    except (ValueError, OSError, TypeError, MemoryError) as e:  # lqe's errors say what is wrong and what to do
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     return rc or 0
 
 

@@ -1,13 +1,15 @@
 """`lqe serve MODEL`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one ``AsyncEngine``.
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (``stream=true`` gives server-sent
-events ending in ``data: [DONE]``), GET /health, GET /metrics (Prometheus text). Errors are OpenAI-style
+events ending in ``data: [DONE]``), POST /tokenize and /detokenize, GET /version, GET /health, GET /metrics
+(Prometheus text), GET /docs and /openapi.json. With an API key every path needs it except ``PUBLIC_PATHS``. Errors are OpenAI-style
 ``{"error": {"message", "type", "param", "code"}}``; a bad request never reaches the engine, an engine failure
 answers 500 to the requests it hit and the server keeps serving.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
@@ -22,17 +24,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lqe.entrypoints.async_engine import AsyncEngine
 from lqe.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from lqe.entrypoints.serving import APIError, OpenAIServing, error_response
+from lqe.entrypoints.serving import OpenAIServing
+from lqe.entrypoints.validation import APIError, ServingLimits, error_response
 
 logger = logging.getLogger("lqe")
 
+# answered without the API key: liveness, metrics, version and the API's own description (vLLM leaves these
+# open too); everything that runs the model or the tokenizer needs the key
+PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version", "/docs", "/docs/oauth2-redirect", "/redoc",
+                          "/openapi.json"})
 
-def create_app(engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+
+def create_app(engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None,
+               limits: ServingLimits | None = None) -> FastAPI:
     """One app per engine; each app has its own Prometheus registry, so tests can build several."""
     name = served_model_name or engine.engine.config.model
     registry = CollectorRegistry()
     registry.register(_EngineCollector(engine))
-    serving = OpenAIServing(engine, name, _Histograms(registry))
+    serving = OpenAIServing(engine, name, _Histograms(registry), limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -47,7 +56,7 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, api_ke
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
+        if api_key and request.url.path not in PUBLIC_PATHS:
             header = request.headers.get("authorization", "")
             scheme, _, token = header.partition(" ")
             if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), api_key):
@@ -85,6 +94,20 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, api_ke
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await serving.handle(request, ChatCompletionRequest)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await serving.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await serving.detokenize(request)
+
+    @app.get("/version")
+    async def version() -> dict:
+        import lqe
+
+        return {"version": lqe.__version__}
 
     return app
 
@@ -124,11 +147,21 @@ class _EngineCollector:
 
 
 # -- command line ---------------------------------------------------------------------------------------------
+def _kv_cache_dtype(value: str) -> str:
+    if value != "auto":
+        raise argparse.ArgumentTypeError(f"{value!r} is not supported: lqe keeps the KV cache in the model's dtype; "
+                                         "use 'auto' (or leave the flag out)")
+    return value
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("model", help="local model directory, 'smollm2-135m-instruct', or a hub id")
+    parser.add_argument("model", nargs="?", default=None,
+                        help="local model directory, 'smollm2-135m-instruct', or a hub id (or use --model)")
+    parser.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                        help="the same as the positional MODEL (vLLM's spelling)")
     parser.add_argument("--quantization", "-q", default=None, help="quantization method (default: from the checkpoint)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $LQE_API_KEY)")
     parser.add_argument("--served-model-name", default=None, help="model name clients must send (default: MODEL)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
@@ -139,20 +172,59 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument("--block-size", type=int, default=None, help="KV-cache block size in tokens (default 16)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                        help="reuse the KV blocks of shared prompt prefixes (default: on)")
+    parser.add_argument("--kv-cache-dtype", type=_kv_cache_dtype, default="auto",
+                        help="only 'auto' (the model's dtype) is supported")
     parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--revision", default=None, help="hub revision of the model")
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--enforce-eager", action="store_true", default=None,
                         help="CUDA: run every step eagerly (no decode CUDA graphs)")
     parser.add_argument("--max-cudagraph-batch", type=int, default=None,
                         help="largest decode batch replayed from a CUDA graph (default 256)")
     parser.add_argument("--trust-remote-code", action="store_true", default=None)
+    parser.add_argument("--allow-nonfinite-weights", action="store_true", default=None,
+                        help="load a checkpoint whose scales / weights hold NaN, inf or non-positive scales, with a "
+                             "warning (default: refuse it)")
+    parser.add_argument("--max-request-body-bytes", type=int, default=16 << 20,
+                        help="larger request bodies get 413 (default 16 MiB)")
+    parser.add_argument("--request-timeout", type=float, default=None,
+                        help="abort a request still running after this many seconds (default: no limit)")
+    parser.add_argument("--shutdown-grace-period", type=float, default=30.0,
+                        help="on SIGTERM / Ctrl-C, let in-flight requests finish for this many seconds, then "
+                             "abort the rest (default 30)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
 
 
 _ENGINE_ARGS = ("quantization", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization", "tokenizer", "seed",
-                "enforce_eager", "max_cudagraph_batch", "trust_remote_code")
+                "enforce_eager", "max_cudagraph_batch", "trust_remote_code", "block_size", "enable_prefix_caching",
+                "revision", "allow_nonfinite_weights", "tensor_parallel_size")
+
+
+def model_arg(args: argparse.Namespace) -> str:
+    """The model from ``lqe serve MODEL`` or ``lqe serve --model MODEL`` (ValueError when neither or both differ)."""
+    pos, flag = getattr(args, "model", None), getattr(args, "model_flag", None)
+    if pos and flag and pos != flag:
+        raise ValueError(f"two models given: {pos!r} (positional) and --model {flag!r}; give one")
+    if not (pos or flag):
+        raise ValueError("no model given: lqe serve MODEL, or lqe serve --model MODEL")
+    return pos or flag
+
+
+def _check_limits(args: argparse.Namespace) -> ServingLimits:
+    if args.max_request_body_bytes <= 0:
+        raise ValueError(f"--max-request-body-bytes {args.max_request_body_bytes} must be positive")
+    if args.request_timeout is not None and args.request_timeout <= 0:
+        raise ValueError(f"--request-timeout {args.request_timeout} must be positive (leave it out for no limit)")
+    if args.shutdown_grace_period < 0:
+        raise ValueError(f"--shutdown-grace-period {args.shutdown_grace_period} must be >= 0")
+    return ServingLimits(args.max_request_body_bytes, args.request_timeout)
 
 
 def build_engine(args: argparse.Namespace) -> AsyncEngine:
@@ -160,30 +232,65 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
     from lqe.engine.llm_engine import LLMEngine
 
     kwargs = {k: getattr(args, k) for k in _ENGINE_ARGS if getattr(args, k, None) is not None}
-    return AsyncEngine(LLMEngine(EngineConfig.from_kwargs(args.model, **kwargs)))
+    engine = LLMEngine(EngineConfig.from_kwargs(model_arg(args), **kwargs))
+    if getattr(args, "chat_template", None):
+        if engine.tokenizer is None:
+            raise ValueError("--chat-template was given, but this model has no tokenizer")
+        t = args.chat_template
+        if os.path.isfile(t):
+            with open(t, encoding="utf-8") as f:
+                t = f.read()
+        engine.tokenizer.chat_template = t
+    return AsyncEngine(engine)
+
+
+class GracefulServer:
+    """uvicorn.Server whose shutdown (SIGTERM, Ctrl-C, ``should_exit``) first gives in-flight requests
+    ``grace_s`` seconds, then aborts the rest with an error that says so (logged with their ids)."""
+
+    def __new__(cls, config, engine: AsyncEngine, grace_s: float):
+        import uvicorn
+
+        class _Server(uvicorn.Server):
+            async def shutdown(self, sockets=None):
+                drain = asyncio.ensure_future(engine.drain(grace_s))
+                try:
+                    await super().shutdown(sockets)
+                finally:
+                    drain.cancel()
+
+        config.timeout_graceful_shutdown = grace_s + 5  # backstop: connections still open then are cut
+        return _Server(config)
 
 
 def run_server(args: argparse.Namespace) -> None:
     import uvicorn
 
+    model_arg(args)
+    limits = _check_limits(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     lqe_logger = logging.getLogger("lqe")
     lqe_logger.setLevel(args.log_level.upper())
     lqe_logger.propagate = False  # its own handler already prints; the root handler would print it twice
     engine = build_engine(args)
     api_key = args.api_key or os.environ.get("LQE_API_KEY") or None
-    app = create_app(engine, args.served_model_name, api_key)
-    logger.info("lqe: serving %s on http://%s:%d/v1%s", args.served_model_name or args.model, args.host, args.port,
-                " (API key required)" if api_key else "")
+    app = create_app(engine, args.served_model_name, api_key, limits)
+    logger.info("lqe: serving %s on http://%s:%d/v1%s", args.served_model_name or model_arg(args), args.host,
+                args.port, " (API key required)" if api_key else "")
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+        GracefulServer(config, engine, args.shutdown_grace_period).run()
     finally:
         engine.close()
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="lqe serve", description="OpenAI-compatible server for an lqe model")
-    run_server(add_serve_args(parser).parse_args(argv))
+    args = add_serve_args(parser).parse_args(argv)
+    try:
+        run_server(args)
+    except (ValueError, FileNotFoundError, TypeError, MemoryError) as e:  # already explained: no traceback
+        parser.exit(2, f"error: {e}\n")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """Pydantic models of the OpenAI-compatible API: requests (strictly typed, unknown fields ignored) and responses.
 
 Field names and defaults follow the OpenAI API; ``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``,
-``ignore_eos`` and ``stop_token_ids`` are the usual vLLM extensions."""
+``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens`` and the ``guided_*``
+fields are the usual vLLM extensions. Fields of the OpenAI / vLLM APIs that lqe does not implement are listed in
+``UNSUPPORTED`` and answered with a 400 naming them; fields nobody defines are ignored (as vLLM does)."""
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -13,7 +15,31 @@ from lqe.sampling_params import SamplingParams
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)  # extras are checked against UNSUPPORTED, then ignored
+
+_INT64 = 2**63 - 1
+
+# field -> why / what to do instead. Present with a value other than its "off" value => 400 naming the field.
+UNSUPPORTED: dict[str, str] = {
+    "tools": "tool calling is not implemented", "functions": "function calling is not implemented",
+    "function_call": "function calling is not implemented", "audio": "audio output is not implemented",
+    "prediction": "predicted outputs are not implemented", "web_search_options": "web search is not implemented",
+    "reasoning_effort": "reasoning controls are not implemented", "use_beam_search": "beam search is not implemented",
+    "length_penalty": "beam search is not implemented", "bad_words": "bad_words is not implemented",
+    "allowed_token_ids": "allowed_token_ids is not implemented", "prompt_logprobs": "prompt_logprobs is not served "
+    "over HTTP (use the Python API)", "truncate_prompt_tokens": "prompt truncation is not implemented",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not implemented", "suffix": "suffix (insertion) "
+    "is not implemented", "guided_grammar": "grammar-guided decoding is not implemented; use guided_json, "
+    "guided_regex or guided_choice", "structural_tag": "structural tags are not implemented",
+    "guided_decoding_backend": "the structured-output backend cannot be chosen per request",
+    "mm_processor_kwargs": "multimodal inputs are not supported", "documents": "documents (RAG templates) are not "
+    "supported", "priority": "request priorities are not implemented",
+}
+# their "off" values: sending these is the same as not sending the field
+_OFF: dict[str, tuple[Any, ...]] = {"tools": (None, []), "functions": (None, []), "use_beam_search": (None, False),
+                                    "length_penalty": (None, 1, 1.0), "bad_words": (None, []),
+                                    "allowed_token_ids": (None, []), "return_tokens_as_token_ids": (None, False),
+                                    "suffix": (None, ""), "priority": (None, 0), "guided_decoding_backend": (None, "auto")}
 
 
 class _Response(BaseModel):
@@ -44,7 +70,7 @@ class _SamplingRequest(_Request):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-_INT64 - 1, le=_INT64)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -52,18 +78,39 @@ class _SamplingRequest(_Request):
     repetition_penalty: float = Field(1.0, gt=0.0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: Literal[True] = True
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = Field(None, ge=1)
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
 
-    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def unsupported_field(self) -> tuple[str, str] | None:
+        """``(field, reason)`` of the first field sent that lqe does not implement."""
+        extra = self.model_extra or {}
+        for name, why in UNSUPPORTED.items():
+            if name in extra and extra[name] not in _OFF.get(name, (None,)):
+                return name, why
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of", f"best_of={self.best_of} differs from n={self.n}; lqe returns every sample (best_of=n)"
+        return None
+
+    def _params(self, max_tokens: int | None, logprobs: int | None, **extra: Any) -> SamplingParams:
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-            max_tokens=max_tokens, logprobs=logprobs)
+            include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
+            max_tokens=max_tokens, logprobs=logprobs, **extra)
 
     @property
     def include_usage(self) -> bool:
@@ -75,6 +122,7 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    add_special_tokens: bool = True
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -85,8 +133,8 @@ class CompletionRequest(_SamplingRequest):
     def max_tokens_given(self) -> bool:
         return "max_tokens" in self.model_fields_set and self.max_tokens is not None
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        return self._params(max_tokens, self.logprobs)
+    def to_sampling_params(self, max_tokens: int | None, **extra: Any) -> SamplingParams:
+        return self._params(max_tokens, self.logprobs, **extra)
 
 
 class ContentPart(_Request):
@@ -107,6 +155,12 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+    echo: Literal[False] = False
 
     @property
     def max_tokens_param(self) -> str:
@@ -118,8 +172,8 @@ class ChatCompletionRequest(_SamplingRequest):
     def max_tokens_given(self) -> bool:
         return self.requested_max_tokens() is not None
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+    def to_sampling_params(self, max_tokens: int | None, **extra: Any) -> SamplingParams:
+        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, **extra)
 
     def message_dicts(self) -> list[dict[str, str]]:
         """Messages as the chat template expects them; raises ValueError naming the bad message."""
@@ -139,6 +193,38 @@ class ChatCompletionRequest(_SamplingRequest):
                 d["name"] = m.name
             out.append(d)
         return out
+
+
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a ``prompt`` (completions style) or ``messages`` (chat style)."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        return ChatCompletionRequest.message_dicts(self)  # type: ignore[arg-type]
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
 
 
 # -- responses --------------------------------------------------------------------------------------------

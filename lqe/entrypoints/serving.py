@@ -6,34 +6,19 @@ of a stop string is held back until it cannot."""
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import time
 import uuid
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from fastapi.responses import Response, StreamingResponse
 
 from lqe.entrypoints import protocol as P
 from lqe.entrypoints.async_engine import AsyncEngine, RequestFailed
+from lqe.entrypoints.validation import (APIError, RequestTimedOut, ServingLimits, error_response, field_of,
+                                        logit_bias, parse, read_body, structured_params)
 from lqe.outputs import CompletionOutput, RequestOutput
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
-
-    def body(self) -> P.ErrorResponse:
-        return P.ErrorResponse(error=P.ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
-
-
-def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body().model_dump(), status_code=err.status)
 
 
 @dataclass(slots=True)
@@ -44,17 +29,20 @@ class _Choice:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str, histograms) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, histograms, limits: "ServingLimits | None" = None) -> None:
         self.engine, self.model_name, self.histograms = engine, model_name, histograms
+        self.limits = limits or ServingLimits()
 
     async def handle(self, request: Request, model: type[P.CompletionRequest] | type[P.ChatCompletionRequest]):
+        chat = model is P.ChatCompletionRequest
         try:
-            req = _parse(await request.body(), model)
-            if req.model is not None and req.model != self.model_name:
-                raise APIError(400, f"model {req.model!r} is not served here; this server serves {self.model_name!r}",
-                               "model", "model_not_found")
-            chat = isinstance(req, P.ChatCompletionRequest)
-            prompts = await self.engine.run(self._tokenize, req)
+            req = parse(await read_body(request, self.limits.max_body_bytes), model)
+            self.check_model(req.model)
+            bad = req.unsupported_field()
+            if bad is not None:
+                raise APIError(400, f"{bad[0]} is not supported by lqe: {bad[1]}", bad[0], "unsupported")
+            self._check_prompt_size(req)
+            prompts = await self.engine.run_tokenizer(self._tokenize, req)
             params = [self._params(req, len(ids)) for ids in prompts]
         except APIError as e:
             return error_response(e)
@@ -66,39 +54,114 @@ class OpenAIServing:
                 await self.engine.add_request(rid, ids, p, queue)
         except ValueError as e:
             self.engine.abort(rids)
-            return error_response(APIError(400, str(e), "messages" if chat else "prompt"))
+            return error_response(APIError(400, str(e), field_of(str(e), "messages" if chat else "prompt")))
         except BaseException:
             self.engine.abort(rids)
             raise
-        ctx = _Context(base, int(time.time()), self.model_name, req, rids, [len(ids) for ids in prompts], queue)
+        ctx = _Context(base, int(time.time()), self.model_name, req, rids, [len(ids) for ids in prompts], queue,
+                       self.limits.request_timeout_s)
         if req.stream:
             return StreamingResponse(self._stream(ctx), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await self._complete(ctx, request)
 
-    # -- validation (runs in the engine thread: the tokenizer is not shared across threads) --------------
-    def _tokenize(self, req) -> list[list[int]]:
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"the model {name!r} does not exist here; this server serves {self.model_name!r} "
+                           "(GET /v1/models lists it)", "model", "model_not_found", type="NotFoundError")
+
+    # -- /tokenize and /detokenize (vLLM's extra endpoints) -----------------------------------------------
+    async def tokenize(self, request: Request):
+        try:
+            req = parse(await read_body(request, self.limits.max_body_bytes), P.TokenizeRequest)
+            self.check_model(req.model)
+            if (req.prompt is None) == (req.messages is None):
+                raise APIError(400, "give exactly one of prompt (a string) or messages (a chat)",
+                               "prompt" if req.messages is None else "messages")
+            self._check_prompt_size(req)
+            ids, strs = await self.engine.run_tokenizer(self._tokenize_one, req)
+        except APIError as e:
+            return error_response(e)
+        return P.TokenizeResponse(count=len(ids), max_model_len=self.engine.engine.max_model_len, tokens=ids,
+                                  token_strs=strs)
+
+    async def detokenize(self, request: Request):
+        try:
+            req = parse(await read_body(request, self.limits.max_body_bytes), P.DetokenizeRequest)
+            self.check_model(req.model)
+            tok = self.engine.engine.tokenizer
+            if tok is None:
+                raise APIError(400, "this model has no tokenizer", "tokens")
+            vocab = self.engine.engine.model_config.vocab_size
+            bad = [t for t in req.tokens if not 0 <= t < vocab]
+            if bad:
+                raise APIError(400, f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
+            text = await self.engine.run_tokenizer(lambda t: t.decode(req.tokens))
+        except APIError as e:
+            return error_response(e)
+        return P.DetokenizeResponse(prompt=text)
+
+    # -- validation ---------------------------------------------------------------------------------------
+    def _check_prompt_size(self, req) -> None:
+        """Refuse, before tokenizing, text that cannot fit max_model_len whatever its tokenization: no token of
+        this vocabulary covers more than ``max_token_chars`` characters."""
         eng = self.engine.engine
-        tok, max_len = eng.tokenizer, eng.max_model_len
+        limit = (eng.max_model_len - 1) * self.engine.max_token_chars
+        if isinstance(req, P.CompletionRequest):
+            field, texts = "prompt", [p for p in req.prompts() if isinstance(p, str)]
+        elif isinstance(req, P.TokenizeRequest) and req.prompt is not None:
+            field, texts = "prompt", [req.prompt]
+        else:
+            field = "messages"
+            texts = ["".join(m.content if isinstance(m.content, str) else "".join(x.text or "" for x in m.content)
+                             for m in req.messages if m.content)]
+        for t in texts:
+            if len(t) > limit:
+                raise APIError(400, f"the {field} has {len(t)} characters; no tokenization of that fits "
+                               f"max_model_len={eng.max_model_len} tokens (a token of this vocabulary spans at most "
+                               f"{self.engine.max_token_chars} characters, so at most {limit} characters can fit); "
+                               "shorten the prompt", field, "context_length_exceeded")
+
+    def _apply_template(self, tok, req) -> list[int]:
+        field = "messages"
+        if tok is None or not (req.chat_template or getattr(tok, "chat_template", None)):
+            raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions or send "
+                           "chat_template", field)
+        try:
+            msgs = req.message_dicts()
+            ids = tok.apply_chat_template(
+                msgs, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+                continue_final_message=req.continue_final_message, chat_template=req.chat_template, tokenize=True,
+                **(req.chat_template_kwargs or {}))
+        except ValueError as e:
+            raise APIError(400, str(e), field) from e
+        except Exception as e:  # a template that rejects the conversation (roles, ordering ...)
+            raise APIError(400, f"the chat template rejected the messages: {e}", field) from e
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+
+    def _tokenize_one(self, tok, req: P.TokenizeRequest) -> tuple[list[int], list[str] | None]:
+        if req.messages is not None:
+            ids = self._apply_template(tok, req)
+        else:
+            if tok is None:
+                raise APIError(400, "this model has no tokenizer", "prompt")
+            ids = tok.encode(req.prompt, add_special_tokens=True if req.add_special_tokens is None
+                             else req.add_special_tokens)
+        return ids, (tok.convert_ids_to_tokens(ids) if req.return_token_strs else None)
+
+    # runs in the tokenizer thread, on that thread's own copy of the tokenizer
+    def _tokenize(self, tok, req) -> list[list[int]]:
+        max_len = self.engine.engine.max_model_len
         if isinstance(req, P.ChatCompletionRequest):
             field = "messages"
-            if tok is None or not getattr(tok, "chat_template", None):
-                raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", field)
-            try:
-                msgs = req.message_dicts()
-                ids = tok.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt, tokenize=True)
-            except ValueError as e:
-                raise APIError(400, str(e), field) from e
-            except Exception as e:  # a template that rejects the conversation (roles, ordering ...)
-                raise APIError(400, f"the chat template rejected the messages: {e}", field) from e
-            prompts = [list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)]
+            prompts = [self._apply_template(tok, req)]
         else:
             field, prompts = "prompt", []
             for p in req.prompts():
                 if isinstance(p, str):
                     if tok is None:
                         raise APIError(400, "this model has no tokenizer: send the prompt as token ids", field)
-                    p = tok.encode(p)
+                    p = tok.encode(p, add_special_tokens=req.add_special_tokens)
                 prompts.append(list(p))
             if not prompts:
                 raise APIError(400, "prompt is empty: give a string, a list of strings or a list of token ids", field)
@@ -124,8 +187,11 @@ class OpenAIServing:
                            "context_length_exceeded")
         if max_tokens is not None:
             max_tokens = min(max_tokens, max_len - prompt_len)
+        extra = structured_params(req)
+        if req.logit_bias:
+            extra.update(logit_bias(req.logit_bias, self.engine.engine.model_config.vocab_size))
         try:
-            return req.to_sampling_params(max_tokens)
+            return req.to_sampling_params(max_tokens, **extra)
         except ValueError as e:
             m = re.match(r"(\w+)=", str(e))
             name = m.group(1) if m else None
@@ -145,6 +211,8 @@ class OpenAIServing:
             collect.result()
         except RequestFailed as e:
             return error_response(APIError(500, str(e), type="server_error"))
+        except RequestTimedOut as e:
+            return error_response(APIError(504, str(e), None, "request_timeout", type="server_error"))
         finally:
             watch.cancel()
             collect.cancel()
@@ -162,7 +230,7 @@ class OpenAIServing:
 
     async def _collect(self, ctx: "_Context", finals: dict[str, RequestOutput]) -> None:
         while len(finals) < len(ctx.rids):
-            item = await ctx.queue.get()
+            item = await ctx.next_item()
             if isinstance(item, Exception):
                 raise item
             if item.finished:
@@ -180,9 +248,13 @@ class OpenAIServing:
                 yield _sse(ctx.chunk([P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))
                                       for i in states]))
             while len(finished) < len(ctx.rids):
-                item = await ctx.queue.get()
+                try:
+                    item = await ctx.next_item()
+                except RequestTimedOut as e:
+                    item = e
                 if isinstance(item, Exception):
-                    yield _sse(APIError(500, str(item), type="server_error").body())
+                    status, code = (504, "request_timeout") if isinstance(item, RequestTimedOut) else (500, None)
+                    yield _sse(APIError(status, str(item), None, code, type="server_error").body())
                     break
                 choices = []
                 for o in item.outputs:
@@ -221,10 +293,22 @@ class _Context:
     """One HTTP request in flight: identity, its engine requests, and chunk builders."""
 
     def __init__(self, id: str, created: int, model: str, req, rids: list[str], prompt_lens: list[int],
-                 queue: asyncio.Queue) -> None:
+                 queue: asyncio.Queue, timeout_s: float | None = None) -> None:
         self.id, self.created, self.model, self.req, self.rids = id, created, model, req, rids
         self.prompt_lens, self.queue, self.n = prompt_lens, queue, req.n
         self.chat = isinstance(req, P.ChatCompletionRequest)
+        self.timeout_s = timeout_s
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+    async def next_item(self):
+        """The next engine output (or failure) of this request; ``RequestTimedOut`` once its time is up."""
+        if self.deadline is None:
+            return await self.queue.get()
+        try:
+            return await asyncio.wait_for(self.queue.get(), max(0.0, self.deadline - time.monotonic()))
+        except (asyncio.TimeoutError, TimeoutError):
+            raise RequestTimedOut(f"the request did not finish within the server's per-request timeout of "
+                                  f"{self.timeout_s:g} s (--request-timeout); it was aborted") from None
 
     def cmpl_lp(self, o: CompletionOutput, start: int, offset: int) -> P.CompletionLogprobs | None:
         if self.req.logprobs is None or o.logprobs is None:
@@ -246,26 +330,6 @@ class _Context:
     def chunk(self, choices: list, usage: P.UsageInfo | None = None):
         cls = P.ChatCompletionChunk if self.chat else P.CompletionResponse
         return cls(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
-
-
-def _parse(body: bytes, model):
-    try:
-        return model.model_validate_json(body or b"null")
-    except ValidationError as e:
-        err = e.errors()[0]
-        if err["type"] == "json_invalid":
-            raise APIError(400, f"the request body is not valid JSON: {err['msg']}", None, "invalid_json") from e
-        param = str(err["loc"][0]) if err.get("loc") else None
-        where = ".".join(str(x) for x in err.get("loc", ())) or "body"
-        msg = f"{where}: {err['msg']}"
-        if param in _SHAPES and len(e.errors()) > 1:  # a union: pydantic reports one error per alternative
-            where, msg = param, f"{param} must be {_SHAPES[param]}"
-        raise APIError(400, f"{msg} (got {json.dumps(err.get('input'), default=str)[:200]})", param,
-                       "invalid_type" if "type" in err["type"] else "invalid_value") from e
-
-
-_SHAPES = {"prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
-           "stop": "a string or a list of strings"}
 
 
 def _usage(prompt_lens: list[int], completion_tokens: int) -> P.UsageInfo:

@@ -5,14 +5,25 @@
 fused parameter: the slice is found from the parameter's ``output_dim`` and, when the output dim is also the
 packed dim (GPTQ ``qzeros``, AWQ ``qweight``), divided by ``pack_factor``. A method whose parameter does not fit
 that rule (a per-shard scalar scale, say) attaches its own ``weight_loader``.
+
+Tensor parallelism (Megatron): ``ColumnParallelLinear``, ``QKVLinear`` and ``MergedLinear`` keep a rank's slice
+of the output features, ``RowParallelLinear`` a rank's slice of the input features and all-reduces its output.
+Parameters are created with the rank's sizes; :meth:`LinearBase.tp_slice` cuts each checkpoint tensor along the
+parameter's ``output_dim`` (column) or ``input_dim`` (row) before the loader sees it, so the quant methods'
+loaders are unchanged. With one rank none of this runs.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from lqe.distributed.comm import tp_all_reduce
+from lqe.distributed.parallel_state import get_tp_rank, get_tp_size
 from lqe.quant_layers.base import LinearMethod, QuantConfig, empty_param
 from lqe.quant_layers.unquantized import UnquantizedLinearMethod
+
+# methods whose parameters all carry input_dim / output_dim (or are replicated scalars), so tp_slice can cut them
+_TP_METHODS = ("UnquantizedLinearMethod", "GPTQLinearMethod", "AWQLinearMethod", "W8A8Int8Method")
 
 
 class LinearBase(nn.Module):
@@ -25,8 +36,17 @@ class LinearBase(nn.Module):
         prefix: str,
         params_dtype: torch.dtype,
         shard_ids: list[str | int] | None = None,
+        tp_mode: str | None = None,
+        tp_chunks: list[tuple[int, int]] | None = None,
     ) -> None:
+        """``input_size`` / ``output_sizes`` are this rank's sizes. ``tp_mode``: ``"column"`` or ``"row"`` when
+        tensor-parallel; ``tp_chunks[i]``: (number of chunks, this rank's chunk) of output shard ``i`` in the
+        checkpoint (KV heads replicated over ranks have fewer chunks than ranks)."""
         super().__init__()
+        self.tp_size = get_tp_size() if tp_mode is not None else 1
+        self.tp_rank = get_tp_rank() if self.tp_size > 1 else 0
+        self.tp_mode = tp_mode if self.tp_size > 1 else None
+        self.tp_chunks = tp_chunks or [(self.tp_size, self.tp_rank)] * len(output_sizes)
         self.input_size = input_size
         self.output_sizes = list(output_sizes)
         self.output_size = sum(output_sizes)
@@ -35,6 +55,10 @@ class LinearBase(nn.Module):
         self.shard_ids = list(shard_ids) if shard_ids is not None else list(range(len(output_sizes)))
         method = quant_config.get_linear_method(self, prefix) if quant_config is not None else None
         self.quant_method: LinearMethod = method if method is not None else UnquantizedLinearMethod()
+        if self.tp_mode is not None and type(self.quant_method).__name__ not in _TP_METHODS:
+            raise ValueError(f"{prefix}: tensor_parallel_size={self.tp_size} is supported for float, GPTQ, AWQ and "
+                             f"W8A8 int8 layers; "
+                             f"{type(self.quant_method).__name__} layers cannot be sharded yet (use tensor_parallel_size=1)")
         self.quant_method.create_weights(self, input_size, self.output_sizes, params_dtype)
         if bias:
             self.register_parameter("bias", empty_param((self.output_size,), params_dtype, output_dim=0))
@@ -50,7 +74,36 @@ class LinearBase(nn.Module):
         i = self.shard_ids.index(shard_id)
         return sum(self.output_sizes[:i]), self.output_sizes[i]
 
+    def tp_slice(self, name: str, param: nn.Parameter, loaded, shard_id: str | int | None):
+        """This rank's part of checkpoint tensor ``loaded`` (a tensor, or a lazy safetensors slice that reads
+        only that part); ``loaded`` itself for a parameter replicated over the ranks."""
+        if self.tp_mode == "column":
+            dim = getattr(param, "output_dim", None)
+            if dim is None:
+                return loaded
+            if shard_id is None and len(self.output_sizes) > 1:
+                raise ValueError(f"{self.prefix}.{name}: a pre-fused checkpoint tensor cannot be split for tensor "
+                                 "parallelism; store the q/k/v (gate/up) projections separately")
+            n, idx = self.tp_chunks[self.shard_ids.index(shard_id) if len(self.output_sizes) > 1 else 0]
+        else:
+            dim = getattr(param, "input_dim", None)
+            if dim is None or loaded.shape[dim] == param.shape[dim]:
+                return loaded  # replicated along the input (per-channel scales of a one-group layer, a bias)
+            n, idx = self.tp_size, self.tp_rank
+        full = loaded.shape[dim]
+        if full % n:
+            raise ValueError(f"tensor {self.prefix}.{name}: dim {dim} of size {full} cannot be split into {n} equal "
+                             f"tensor-parallel shards; use a tensor_parallel_size that divides it")
+        size = full // n
+        out = loaded.narrow(dim, idx * size, size)
+        transform = getattr(param, "tp_transform", None)
+        return transform(self, out, idx) if transform is not None and self.tp_mode == "row" else out
+
     def load_weight(self, name: str, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None) -> None:
+        if self.tp_mode is not None:
+            loaded = self.tp_slice(name, param, loaded, shard_id)
+        if not isinstance(loaded, torch.Tensor):
+            loaded = loaded.materialize()
         loader = getattr(param, "weight_loader", None)
         if loader is not None:
             loader(param, loaded, shard_id)
@@ -68,10 +121,14 @@ class LinearBase(nn.Module):
         copy_checked(f"{self.prefix}.{name}" + (f" (shard {shard_id})" if shard_id is not None else ""), target, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_mode == "row":  # partial sums: reduce, then add the (replicated) bias once
+            out = tp_all_reduce(self.quant_method.apply(self, x, None))
+            return out if self.bias is None else out + self.bias
         return self.quant_method.apply(self, x, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in={self.input_size}, out={self.output_sizes}, method={self.quant_method.describe(self)}"
+        tp = f", tp={self.tp_mode} {self.tp_rank}/{self.tp_size}" if self.tp_mode else ""
+        return f"in={self.input_size}, out={self.output_sizes}, method={self.quant_method.describe(self)}{tp}"
 
 
 def copy_checked(name: str, target: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -98,11 +155,61 @@ class ReplicatedLinear(LinearBase):
 class QKVLinear(LinearBase):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
                  quant_config: QuantConfig | None, prefix: str, params_dtype: torch.dtype) -> None:
-        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
-        super().__init__(hidden_size, sizes, bias, quant_config, prefix, params_dtype, shard_ids=["q", "k", "v"])
+        """``num_heads`` / ``num_kv_heads`` are the model's; the layer keeps this rank's heads."""
+        n = get_tp_size()
+        if n == 1:
+            sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+            super().__init__(hidden_size, sizes, bias, quant_config, prefix, params_dtype, shard_ids=["q", "k", "v"])
+            return
+        q_heads = _split(num_heads, "num_attention_heads", prefix)
+        kv_heads, kv_chunks = kv_heads_per_rank(num_kv_heads, prefix)
+        sizes = [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+        super().__init__(hidden_size, sizes, bias, quant_config, prefix, params_dtype, shard_ids=["q", "k", "v"],
+                         tp_mode="column", tp_chunks=[(n, get_tp_rank()), kv_chunks, kv_chunks])
 
 
 class MergedLinear(LinearBase):
+    """Fused gate/up; column-parallel (each output shard split over the ranks) when tensor-parallel."""
+
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool, quant_config: QuantConfig | None,
                  prefix: str, params_dtype: torch.dtype) -> None:
-        super().__init__(input_size, output_sizes, bias, quant_config, prefix, params_dtype)
+        if get_tp_size() > 1:
+            output_sizes = [_split(s, "output size", prefix) for s in output_sizes]
+        super().__init__(input_size, output_sizes, bias, quant_config, prefix, params_dtype, tp_mode="column")
+
+
+def _split(total: int, what: str, prefix: str) -> int:
+    n = get_tp_size()
+    if total % n:
+        raise ValueError(f"{prefix}: {what}={total} is not divisible by tensor_parallel_size={n}")
+    return total // n
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split over the ranks; each rank's output is its slice (no communication)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, quant_config: QuantConfig | None,
+                 prefix: str, params_dtype: torch.dtype) -> None:
+        super().__init__(input_size, [_split(output_size, "output size", prefix)], bias, quant_config, prefix,
+                         params_dtype, tp_mode="column")
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split over the ranks; the partial outputs are summed with one all-reduce."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, quant_config: QuantConfig | None,
+                 prefix: str, params_dtype: torch.dtype) -> None:
+        super().__init__(_split(input_size, "input size", prefix), [output_size], bias, quant_config, prefix,
+                         params_dtype, tp_mode="row")
+
+
+def kv_heads_per_rank(num_kv_heads: int, prefix: str = "attention") -> tuple[int, tuple[int, int]]:
+    """(KV heads this rank holds, (chunks of the checkpoint's K/V, this rank's chunk)): split when the ranks
+    divide the heads, replicated (one head per rank, shared by N / heads ranks) when there are fewer heads."""
+    n, r = get_tp_size(), get_tp_rank()
+    if num_kv_heads % n == 0:
+        return num_kv_heads // n, (n, r)
+    if n % num_kv_heads == 0:
+        return 1, (num_kv_heads, r // (n // num_kv_heads))
+    raise ValueError(f"{prefix}: num_key_value_heads={num_kv_heads} and tensor_parallel_size={n} do not divide one "
+                     "another, so the KV heads cannot be split or replicated evenly")

@@ -1,6 +1,7 @@
 """Turns the logits of the sampled rows into next tokens (and their logprobs).
 
-Order of processing (as in vLLM / HF): penalties on raw logits, min_tokens masking, temperature, then
+Order of processing (as in vLLM / HF): penalties on raw logits, min_tokens masking, the structured-output token
+mask, temperature, then
 top-k / top-p / min-p masks, then one draw per row from that row's own ``torch.Generator`` so a seeded
 request gives the same tokens whatever else is in the batch. Logprobs are those of the raw model
 distribution (before penalties and temperature).
@@ -26,6 +27,7 @@ class SamplingBatch:
     prompt_token_ids: list[list[int]]  # per row, for the repetition penalty
     banned_token_ids: list[list[int]]  # per row: EOS / stop ids while below min_tokens
     num_logprobs: list[int | None]  # per row: None = no logprobs wanted
+    token_bitmask: torch.Tensor | None = None  # [B, ceil(V/32)] int32 allowed-token bits (structured output)
 
     @property
     def needs_penalties(self) -> bool:
@@ -91,7 +93,7 @@ class Sampler:
         greedy = batch.temperature == 0
         wants_logprobs = any(n is not None for n in batch.num_logprobs)
         if (bool(greedy.all()) and not wants_logprobs and not any(batch.banned_token_ids)
-                and not batch.needs_penalties):
+                and not batch.needs_penalties and batch.token_bitmask is None):
             # the common greedy step: argmax of the raw logits, one device-to-host copy
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * logits.shape[0])
         logits = logits.float()
@@ -101,6 +103,11 @@ class Sampler:
         for i, banned in enumerate(batch.banned_token_ids):
             if banned:
                 logits[i, banned] = float("-inf")
+        if batch.token_bitmask is not None:
+            from lqe.structured_output import unpack_bitmask
+
+            allowed = unpack_bitmask(batch.token_bitmask, logits.shape[1], logits.device)
+            logits = logits.masked_fill(~allowed, float("-inf"))
         tokens = logits.argmax(dim=-1)  # the greedy rows' answer (top-k/p/min-p never drop the top token)
         rows = torch.nonzero(~greedy).flatten().tolist()
         if rows:

@@ -57,8 +57,8 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
             raise ValueError(f"config.json lacks {key!r}, which this architecture needs")
         return cfg[key]
 
-    heads = int(need("num_attention_heads"))
-    hidden = int(need("hidden_size"))
+    heads = _num(need("num_attention_heads"), "num_attention_heads")
+    hidden = _num(need("hidden_size"), "hidden_size")
     rope_params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or ({k: v for k, v in rope_params.items() if k != "rope_theta"} or None)
     if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
@@ -68,16 +68,16 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     return ModelConfig(
         architectures=list(cfg.get("architectures") or []),
         hidden_size=hidden,
-        intermediate_size=int(need("intermediate_size")),
-        num_hidden_layers=int(need("num_hidden_layers")),
+        intermediate_size=_num(need("intermediate_size"), "intermediate_size"),
+        num_hidden_layers=_num(need("num_hidden_layers"), "num_hidden_layers"),
         num_attention_heads=heads,
-        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
-        vocab_size=int(need("vocab_size")),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        num_key_value_heads=_num(cfg.get("num_key_value_heads") or heads, "num_key_value_heads"),
+        head_dim=_num(cfg.get("head_dim") or hidden // heads, "head_dim"),
+        vocab_size=_num(need("vocab_size"), "vocab_size"),
+        rms_norm_eps=_num(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", float),
         rope_theta=float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
         rope_scaling=scaling,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        max_position_embeddings=_num(cfg.get("max_position_embeddings", 2048), "max_position_embeddings"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
@@ -86,3 +86,9 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         eos_token_id=eos_list,
         raw=raw,
     )
+
+
+def _num(value: Any, key: str, kind: type = int):
+    from lqe.quant_layers.checks import config_number  # lqe.quant_layers imports this package
+
+    return config_number(value, key, "config.json", kind)

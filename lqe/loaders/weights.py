@@ -2,6 +2,8 @@
 
 HF names are mapped to lqe's fused parameters through the model's ``stacked_params_mapping``
 (``q_proj.qweight`` -> ``qkv_proj.qweight`` shard ``q``); each parameter's loader places the shard.
+With tensor parallelism (``lazy=True``) safetensors tensors arrive as :class:`LazySlice` views: a layer narrows
+them to its rank's part and only that part is read from the file.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from lqe.layers.embedding import VocabEmbedding
 from lqe.layers.linear import LinearBase, copy_checked
 
 logger = logging.getLogger("lqe")
@@ -31,7 +34,28 @@ def checkpoint_files(model_dir: str) -> list[str]:
     raise FileNotFoundError(f"{model_dir} holds no *.safetensors (or pytorch_model*.bin) weights")
 
 
-def iterate_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+class LazySlice:
+    """A safetensors tensor not read yet: ``narrow`` composes views, ``materialize`` reads just that part."""
+
+    def __init__(self, handle, name: str, shape: list[int] | None = None, index: tuple[slice, ...] | None = None) -> None:
+        self.handle, self.name = handle, name
+        self.shape = tuple(shape if shape is not None else handle.get_slice(name).get_shape())
+        self.index = index if index is not None else tuple(slice(0, s) for s in self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> "LazySlice":
+        index = list(self.index)
+        index[dim] = slice(index[dim].start + start, index[dim].start + start + length)
+        shape = list(self.shape)
+        shape[dim] = length
+        return LazySlice(self.handle, self.name, shape, tuple(index))
+
+    def materialize(self) -> torch.Tensor:
+        if not self.shape:
+            return self.handle.get_tensor(self.name)
+        return self.handle.get_slice(self.name)[self.index].contiguous()
+
+
+def iterate_weights(model_dir: str, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     for path in checkpoint_files(model_dir):
         if path.endswith(".bin"):
             state = torch.load(path, map_location="cpu", weights_only=True)
@@ -40,7 +64,7 @@ def iterate_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
         try:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, (LazySlice(f, name) if lazy else f.get_tensor(name))
         except (SafetensorError, OSError) as e:
             raise ValueError(f"cannot read {path}: {e}. The file is corrupt or truncated; re-download or re-export it.") from e
 
@@ -52,6 +76,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
         if isinstance(module, LinearBase):
             for pname, _ in module.named_parameters(recurse=False):
                 owners[f"{mod_name}.{pname}"] = (module, pname)
+    embeddings = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, VocabEmbedding)}
     mapping = getattr(model, "stacked_params_mapping", [])
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -69,8 +94,10 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
         if target in owners:
             layer, pname = owners[target]
             layer.load_weight(pname, params[target], tensor, shard)
+        elif target in embeddings:
+            embeddings[target].load_weight(tensor)
         else:
-            copy_checked(target, params[target].data, tensor)
+            copy_checked(target, params[target].data, tensor if isinstance(tensor, torch.Tensor) else tensor.materialize())
         loaded.add(f"{target}#{shard}")
     if unexpected:
         logger.warning("checkpoint tensors not used by the model (%d): %s", len(unexpected), ", ".join(unexpected[:8]))
@@ -83,7 +110,8 @@ def _check_complete(model, params, owners, loaded: set[str]) -> None:
     for name, param in params.items():
         if id(param) in tied:
             continue
-        if name in owners and len(owners[name][0].output_sizes) > 1 and getattr(param, "output_dim", None) is not None:
+        if (name in owners and len(owners[name][0].output_sizes) > 1 and getattr(param, "output_dim", None) is not None
+                and not getattr(param, "optional", False)):
             for sid in owners[name][0].shard_ids:
                 if f"{name}#{sid}" not in loaded:
                     missing.append(f"{name} (shard {sid})")

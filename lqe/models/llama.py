@@ -1,7 +1,9 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window); Qwen2/Qwen3 subclass it.
 
 Every linear layer is built with ``quant_config`` and its full prefix; the model never branches on the
-quantization method (DESIGN.md rule 2).
+quantization method (DESIGN.md rule 2). Tensor-parallel (Megatron): qkv and gate_up are column-parallel,
+o_proj and down_proj row-parallel, the embedding and LM head vocab-parallel; attention runs on this rank's
+heads (see :mod:`lqe.layers.linear`).
 """
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ from torch import nn
 
 from lqe.layers.activation import get_act_and_mul
 from lqe.layers.attention import Attention
-from lqe.layers.embedding import VocabEmbedding
-from lqe.layers.linear import MergedLinear, QKVLinear, ReplicatedLinear
+from lqe.distributed.parallel_state import get_tp_size
+from lqe.layers.embedding import VocabEmbedding, gather_logits
+from lqe.layers.linear import ColumnParallelLinear, MergedLinear, QKVLinear, ReplicatedLinear, RowParallelLinear
 from lqe.layers.norm import RMSNorm
 from lqe.layers.rotary import get_rope
 from lqe.loaders.hf_config import ModelConfig
@@ -22,11 +25,14 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, quant_config: QuantConfig | None, prefix: str,
                  dtype: torch.dtype, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVLinear(cfg.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias,
-                                  quant_config, f"{prefix}.qkv_proj", dtype)
-        self.o_proj = ReplicatedLinear(self.q_size, cfg.hidden_size, o_bias, quant_config, f"{prefix}.o_proj", dtype)
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = QKVLinear(cfg.hidden_size, self.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                  qkv_bias, quant_config, f"{prefix}.qkv_proj", dtype)
+        self.q_size, self.kv_size = self.qkv_proj.output_sizes[0], self.qkv_proj.output_sizes[1]  # this rank's
+        self.num_heads, self.num_kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
+        o_cls = RowParallelLinear if get_tp_size() > 1 else ReplicatedLinear
+        self.o_proj = o_cls(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, o_bias, quant_config,
+                            f"{prefix}.o_proj", dtype)
         self.rotary_emb = get_rope(self.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim ** -0.5, layer_idx)
         if qk_norm:
@@ -49,7 +55,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias, quant_config,
                                          f"{prefix}.gate_up_proj", dtype)
-        self.down_proj = ReplicatedLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, quant_config,
+        down_cls = RowParallelLinear if get_tp_size() > 1 else ReplicatedLinear
+        self.down_proj = down_cls(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, quant_config,
                                           f"{prefix}.down_proj", dtype)
         self.act_fn = get_act_and_mul(cfg.hidden_act)
 
@@ -108,7 +115,8 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("sliding-window attention is not supported; use a checkpoint without sliding_window")
         self.config = cfg
         self.model = LlamaModel(cfg, quant_config, dtype, self.attention_kwargs(cfg))
-        self.lm_head = ReplicatedLinear(cfg.hidden_size, cfg.vocab_size, False, quant_config, "lm_head", dtype)
+        head_cls = ColumnParallelLinear if get_tp_size() > 1 else ReplicatedLinear
+        self.lm_head = head_cls(cfg.hidden_size, cfg.vocab_size, False, quant_config, "lm_head", dtype)
         self.tied = cfg.tie_word_embeddings and hasattr(self.lm_head, "weight") and self.lm_head.weight.shape == self.model.embed_tokens.weight.shape
         if self.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -121,4 +129,6 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head.tp_size > 1:
+            return gather_logits(self.lm_head(hidden))
         return self.lm_head(hidden)

@@ -11,6 +11,7 @@ from torch import nn
 from lqe.quant_layers import reference as ref
 from lqe.quant_layers.base import LinearMethod, QuantConfig, empty_param
 from lqe.quant_layers.canonical import CanonicalWeight, build_canonical
+from lqe.quant_layers.checks import config_number
 from lqe.quant_layers.loading import FLOAT_DTYPES, add_param, is_loaded, require_loaded
 from lqe.quant_layers.prefixes import is_lm_head, resolve_shards
 from lqe.quant_layers.weight_only import WeightOnlyMethod, group_label
@@ -45,10 +46,10 @@ class AWQConfig(QuantConfig):
                 f"AWQ version {version!r} is not supported: only the GEMM layout (qweight [K, N/8] packed along N) is. "
                 "GEMV checkpoints store qweight [N, K/8] packed along K with padded scales/zeros, which would load "
                 "with wrong shapes (or silently wrong for square layers); re-quantize or convert with version='gemm'.")
-        bits = int(_first(cfg, "bits", "w_bit"))
+        bits = config_number(_first(cfg, "bits", "w_bit"), "bits", "quantization_config")
         if bits != ref.AWQ_BITS:
             raise ValueError(f"AWQ bits={bits} is not supported: the AWQ GEMM layout is 4-bit only")
-        group_size = int(_first(cfg, "group_size", "q_group_size"))
+        group_size = config_number(_first(cfg, "group_size", "q_group_size"), "group_size", "quantization_config")
         if not (group_size == -1 or group_size > 0):
             raise ValueError(f"AWQ group_size={group_size} must be -1 or a positive integer")
         zero_point = bool(cfg.get("zero_point", True))
@@ -74,12 +75,18 @@ class AWQLinearMethod(WeightOnlyMethod):
             raise ValueError(f"{layer.prefix} (AWQ): output sizes {bad} must be multiples of 8 (8 columns per packed word)")
         k, n = input_size, sum(output_sizes)
         g = ref.num_groups(k, self.cfg.group_size)
+        if getattr(layer, "tp_mode", None) == "row" and self.cfg.group_size != -1 and k % self.cfg.group_size:
+            raise ValueError(
+                f"{layer.prefix} (AWQ): tensor_parallel_size={layer.tp_size} splits K={k * layer.tp_size} into shards of "
+                f"{k} rows, which do not start on group_size={self.cfg.group_size} boundaries; use a tensor_parallel_size "
+                f"for which K / N is a multiple of {self.cfg.group_size}")
         psize = lambda size: size // 8  # noqa: E731
-        add_param(layer, "qweight", empty_param((k, n // 8), torch.int32, output_dim=1, packed_dim=1, pack_factor=8),
+        # input_dim: the dim a row-parallel (tensor-parallel) shard splits
+        add_param(layer, "qweight", empty_param((k, n // 8), torch.int32, output_dim=1, packed_dim=1, pack_factor=8, input_dim=0),
                   (torch.int32,), packed_size=psize)
-        add_param(layer, "qzeros", empty_param((g, n // 8), torch.int32, output_dim=1, packed_dim=1, pack_factor=8),
+        add_param(layer, "qzeros", empty_param((g, n // 8), torch.int32, output_dim=1, packed_dim=1, pack_factor=8, input_dim=0),
                   (torch.int32,), packed_size=psize)
-        add_param(layer, "scales", empty_param((g, n), torch.float32, output_dim=1), FLOAT_DTYPES)
+        add_param(layer, "scales", empty_param((g, n), torch.float32, output_dim=1, input_dim=0), FLOAT_DTYPES)
 
     def decode(self, layer: nn.Module) -> tuple[CanonicalWeight, str]:
         require_loaded(layer, ["qweight", "scales"] + (["qzeros"] if self.cfg.zero_point else []))

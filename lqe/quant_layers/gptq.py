@@ -16,6 +16,7 @@ from torch import nn
 from lqe.quant_layers import reference as ref
 from lqe.quant_layers.base import LinearMethod, QuantConfig, empty_param
 from lqe.quant_layers.canonical import CanonicalWeight, build_canonical
+from lqe.quant_layers.checks import config_number
 from lqe.quant_layers.gptq_rules import NO_MATCH, SKIP, DynamicRule, dynamic_for_layer, layer_quantized, parse_dynamic
 from lqe.quant_layers.loading import FLOAT_DTYPES, add_param, is_loaded, require_loaded
 from lqe.quant_layers.weight_only import QuantWarning, WeightOnlyMethod, group_label, warn
@@ -64,7 +65,9 @@ class GPTQConfig(QuantConfig):
             raise ValueError("GPTQ quantization_config needs 'bits' and 'group_size'")
         if "sym" not in cfg:
             warnings.warn("GPTQ quantization_config has no 'sym' key; assuming sym=true (AutoGPTQ's default)", QuantWarning, stacklevel=2)
-        params = GPTQParams(int(cfg["bits"]), int(cfg["group_size"]), bool(cfg.get("desc_act", False)),
+        params = GPTQParams(config_number(cfg["bits"], "bits", "quantization_config"),
+                            config_number(cfg["group_size"], "group_size", "quantization_config"),
+                            bool(cfg.get("desc_act", False)),
                             bool(cfg.get("sym", True)), fmt)
         params.validate("quantization_config")
         dynamic = parse_dynamic(cfg.get("dynamic"))
@@ -86,6 +89,22 @@ class GPTQConfig(QuantConfig):
         return None if params is None else GPTQLinearMethod(params)
 
 
+def _shard_g_idx(layer: nn.Module, g_idx, rank: int) -> torch.Tensor:
+    """A row-parallel shard's ``g_idx``, renumbered to the shard's own groups. An act-order ``g_idx`` (rows that
+    use groups of other shards) cannot be split: that is an error naming the layer, not a wrong answer."""
+    g_idx = g_idx if isinstance(g_idx, torch.Tensor) else g_idx.materialize()
+    method = layer.quant_method
+    k, gs = layer.input_size, method.p.group_size
+    groups = 1 if gs == -1 else k // gs
+    local = g_idx.to(torch.int64) - (0 if gs == -1 else rank * groups)
+    if len(local) and (int(local.min()) < 0 or int(local.max()) >= groups):
+        raise ValueError(
+            f"{layer.prefix}: act-order GPTQ (a g_idx that permutes the rows across groups) is not supported on "
+            f"row-parallel layers with tensor_parallel_size={layer.tp_size}; use tensor_parallel_size=1 or a "
+            "checkpoint quantized without desc_act")
+    return local.to(g_idx.dtype)
+
+
 class GPTQLinearMethod(WeightOnlyMethod):
     CHECKPOINT_PARAMS = ("qweight", "qzeros", "scales", "g_idx")
 
@@ -104,11 +123,18 @@ class GPTQLinearMethod(WeightOnlyMethod):
             raise ValueError(f"{where}: output sizes {bad} must be multiples of {block} to pack qzeros along N")
         g = ref.num_groups(k, self.p.group_size)
         psize = lambda size: ref.packed_size(size, b)  # noqa: E731
-        add_param(layer, "qweight", empty_param((psize(k), n), torch.int32, output_dim=1, packed_dim=0), (torch.int32,))
-        add_param(layer, "qzeros", empty_param((g, psize(n)), torch.int32, output_dim=1, packed_dim=1, pack_factor=32 // b if b != 3 else 1),
-                  (torch.int32,), packed_size=psize)
-        add_param(layer, "scales", empty_param((g, n), torch.float32, output_dim=1), FLOAT_DTYPES)
-        add_param(layer, "g_idx", empty_param((k,), torch.int32), (torch.int32, torch.int64), mode="shared")
+        if getattr(layer, "tp_mode", None) == "row" and self.p.group_size != -1 and k % self.p.group_size:
+            raise ValueError(
+                f"{where}: tensor_parallel_size={layer.tp_size} splits K={k * layer.tp_size} into shards of {k} rows, "
+                f"which do not start on group_size={self.p.group_size} boundaries; use a tensor_parallel_size for "
+                f"which K / N is a multiple of {self.p.group_size}")
+        add_param(layer, "qweight", empty_param((psize(k), n), torch.int32, output_dim=1, packed_dim=0, input_dim=0), (torch.int32,))
+        add_param(layer, "qzeros", empty_param((g, psize(n)), torch.int32, output_dim=1, packed_dim=1, pack_factor=32 // b if b != 3 else 1,
+                                               input_dim=0), (torch.int32,), packed_size=psize)
+        layer.qzeros.optional = self.p.sym  # sym ignores stored zeros: exporters may leave them out
+        add_param(layer, "scales", empty_param((g, n), torch.float32, output_dim=1, input_dim=0), FLOAT_DTYPES)
+        add_param(layer, "g_idx", empty_param((k,), torch.int32, input_dim=0, tp_transform=_shard_g_idx),
+                  (torch.int32, torch.int64), mode="shared")
 
     def decode(self, layer: nn.Module) -> tuple[CanonicalWeight, str]:
         p = self.p

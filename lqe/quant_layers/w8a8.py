@@ -74,6 +74,19 @@ def merge_static_input(scales: torch.Tensor, zps: torch.Tensor | None) -> tuple[
     return scale.reshape(1), torch.round(-128 - lo / scale).to(torch.int32).reshape(1)
 
 
+def _per_token_quant_tp(x: torch.Tensor, symmetric: bool):
+    """Per-token int8 quantization of a row-parallel shard of the activations with the scale of the *whole* row,
+    as with one rank: each token's min and max are all-reduced and appended as two extra columns, so the
+    reference quantizer sees the global range and computes the same bits; the extra columns are dropped."""
+    from lqe.distributed.comm import tp_all_reduce_op
+
+    xf = x.float()
+    lo = tp_all_reduce_op(xf.amin(dim=-1, keepdim=True).contiguous(), "min")
+    hi = tp_all_reduce_op(xf.amax(dim=-1, keepdim=True).contiguous(), "max")
+    q, scale, azp = ref.per_token_quant_int8(torch.cat([xf, lo, hi], dim=-1), symmetric)
+    return q[:, :-2].contiguous(), scale, azp
+
+
 class W8A8Int8Method(LinearMethod):
     def __init__(self, scheme: CTScheme) -> None:
         self.s = scheme
@@ -153,7 +166,9 @@ class W8A8Int8Method(LinearMethod):
         a = self.s.input_activations
         if getattr(layer, "w8a8_plan", None) is not None:
             return self._w8a8_cuda(layer, x, bias)
-        if a.dynamic:
+        if a.dynamic and getattr(layer, "tp_mode", None) == "row":
+            x_q, s_a, azp = _per_token_quant_tp(x, a.symmetric)
+        elif a.dynamic:
             x_q, s_a, azp = ref.per_token_quant_int8(x, a.symmetric)
         else:
             s_a, azp = layer.in_scale, layer.in_zp

@@ -41,6 +41,6 @@ def test_mismatch_errors(tmp_path, hf, requested, match):
 
 
 def test_aliases_and_registry(tmp_path):
-    assert set(QUANT_METHODS) == {"gptq", "awq", "compressed-tensors"}
+    assert set(QUANT_METHODS) == {"gptq", "awq", "compressed-tensors", "fp8"}
     assert isinstance(resolve_quant_config(str(tmp_path), {"quantization_config": CT}, "w8a8"), CompressedTensorsConfig)
     assert isinstance(resolve_quant_config(str(tmp_path), {"quantization_config": CT}, "Compressed-Tensors"), CompressedTensorsConfig)

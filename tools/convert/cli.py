@@ -2,28 +2,42 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 
 from tools.convert.spec import FORMATS, ConvertError, ExportSpec, parse_dtype, parse_size
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default after its help (not for flags whose default is None/False)."""
+
+    def _get_help_string(self, action):
+        if (action.default is None or action.default is False or action.default == argparse.SUPPRESS or not action.option_strings or action.nargs == 0
+                or "default" in (action.help or "")):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="float Hugging Face checkpoint directory (safetensors)")
+    p.add_argument("--model", required=True, help="float checkpoint: a Hugging Face directory (safetensors), the demo "
+                                                  "name smollm2-135m-instruct, or a hub id org/name (as LLM takes)")
     p.add_argument("--out", required=True, help="output directory (must be empty unless --overwrite)")
-    p.add_argument("--format", default="gptq", choices=FORMATS, help="gptq (v1, default), gptq_v2, awq, w8a8, w4a16-ct")
+    p.add_argument("--format", default="gptq", choices=FORMATS, help="gptq (v1), gptq_v2, awq, w8a8, w4a16-ct")
     p.add_argument("--bits", type=int, default=None, help="4 (default; 8 for w8a8)")
     p.add_argument("--group-size", type=int, default=None, help="128 (default; -1 = per channel, the w8a8 default)")
     sym = p.add_mutually_exclusive_group()
-    sym.add_argument("--sym", dest="sym", action="store_true", default=None)
-    sym.add_argument("--asym", dest="sym", action="store_false")
+    sym.add_argument("--sym", dest="sym", action="store_true", default=None,
+                     help="symmetric quantization (default for every format but awq)")
+    sym.add_argument("--asym", dest="sym", action="store_false", help="asymmetric quantization, with zero points "
+                                                                      "(default for awq)")
     p.add_argument("--desc-act", action="store_true", help="act-order (g_idx)")
     p.add_argument("--clamp-zero", action="store_true", help="gptq v1: clamp true zero 0 to 1 (warns) instead of refusing")
-    p.add_argument("--quantize-lm-head", action="store_true")
+    p.add_argument("--quantize-lm-head", action="store_true", help="also quantize lm_head (default: kept float)")
     p.add_argument("--dtype", default=None, help="scale dtype: fp16 (gptq/awq default), bf16, fp32 (CT default)")
     p.add_argument("--float-dtype", default="auto", help="dtype of non-quantized tensors: auto (source), fp16, bf16, fp32")
-    p.add_argument("--max-shard-size", default="5GB")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file written")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out directory")
 
 
 def _spec(a: argparse.Namespace, **extra) -> ExportSpec:
@@ -35,25 +49,32 @@ def _spec(a: argparse.Namespace, **extra) -> ExportSpec:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m tools.convert", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m tools.convert", description=__doc__, formatter_class=_Help)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    ex = sub.add_parser("export", help="float weights + params (or fake-quantized weights) -> quantized checkpoint")
+    ex = sub.add_parser("export", help="float weights + params (or fake-quantized weights) -> quantized checkpoint",
+                        formatter_class=_Help)
     _add_spec_args(ex)
     ex.add_argument("--params", default=None, help="safetensors/torch file with <layer>.scales [G,N], .zeros [G,N], "
                                                   ".g_idx [K] or .perm [K]; without it the weights must be fake-quantized")
-    q = sub.add_parser("quantize", help="calibrate (rtn, gptq, awq, smoothquant) and export")
+    q = sub.add_parser("quantize", help="calibrate (rtn, gptq, awq, smoothquant) and export", formatter_class=_Help)
     _add_spec_args(q)
-    q.add_argument("--method", default="gptq", choices=("rtn", "gptq", "awq", "smoothquant"))
-    q.add_argument("--static-groups", action="store_true")
+    q.add_argument("--method", default="gptq", choices=("rtn", "gptq", "awq", "smoothquant"), help="calibration method")
+    q.add_argument("--static-groups", action="store_true",
+                   help="GPTQ with --desc-act: keep groups in the original column order (trivial g_idx)")
     q.add_argument("--mse", action="store_true", help="GPTQ: search each group's clipping range (min |w - q(w)|^2.4)")
     q.add_argument("--drift-alpha", type=float, default=0.0,
                    help="GPTQ: fit the float model's layer outputs, not the quantized stream's (0 = off, 1 = full "
                         "least-squares correction for the drift of earlier quantized layers)")
-    q.add_argument("--no-true-sequential", dest="true_sequential", action="store_false")
-    q.add_argument("--calib", default=None, help="calibration text file (default ../shared/data/wikitext2-valid.tokens)")
-    q.add_argument("--num-samples", type=int, default=32)
-    q.add_argument("--seq-len", type=int, default=256)
-    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--no-true-sequential", dest="true_sequential", action="store_false",
+                   help="GPTQ: quantize q/k/v, o, gate/up, down of a block from the same inputs (default: sequentially)")
+    q.add_argument("--calib", default=None,
+                   help="calibration text: a .txt (or .tokens/.raw, optionally .gz) file, a .jsonl file (its 'text' "
+                        "field), a .parquet file (its 'text' column; needs pyarrow), or 'self' (sampled from the model "
+                        "itself). Default: ../shared/data/wikitext2-valid.tokens beside the repository when it exists, else "
+                        "'self'")
+    q.add_argument("--num-samples", type=int, default=32, help="calibration windows")
+    q.add_argument("--seq-len", type=int, default=256, help="tokens per calibration window")
+    q.add_argument("--seed", type=int, default=0, help="seed of the window positions (and of --calib self)")
     q.add_argument("--damp", type=float, default=0.01, help="GPTQ damping, fraction of mean diag(H)")
     q.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength")
     q.add_argument("--awq-clip", action="store_true", help="AWQ: also search per-group clipping ratios")
@@ -61,18 +82,53 @@ def build_parser() -> argparse.ArgumentParser:
                    help="AWQ: search s = mean|x|^a / mean|w|^(1-a) (AutoAWQ's form) instead of the paper's mean|x|^a")
     q.add_argument("--awq-tokens", type=int, default=2048,
                    help="AWQ: calibration tokens (whole sequences) on which each candidate scale's error is measured")
-    q.add_argument("--batch-size", type=int, default=8)
-    v = sub.add_parser("verify", help="decode a GPTQ/AWQ/compressed-tensors checkpoint and check it")
-    v.add_argument("dir")
+    q.add_argument("--batch-size", type=int, default=8, help="calibration windows per forward pass")
+    v = sub.add_parser("verify", help="decode a GPTQ/AWQ/compressed-tensors checkpoint and check it", formatter_class=_Help)
+    v.add_argument("dir", help="the quantized checkpoint directory")
     v.add_argument("--against", default=None, help="float (or fake-quantized) checkpoint to compare decoded weights with")
     v.add_argument("--max-error", type=float, default=None, help="fail when a layer's max abs error exceeds this")
     return ap
+
+
+def _check_args(a: argparse.Namespace) -> None:
+    """Everything that can be checked before a model is read; resolves --model / --against like LLM does."""
+    from lqe.loaders.model_source import resolve_model
+
+    if a.cmd == "quantize":
+        from tools.convert.calib_data import check_calib_arg
+
+        for name in ("num_samples", "seq_len", "batch_size"):
+            if getattr(a, name) < 1:
+                raise ConvertError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+        if a.seq_len < 2:
+            raise ConvertError(f"--seq-len must be >= 2, got {a.seq_len}")
+        if a.damp < 0:
+            raise ConvertError(f"--damp must be >= 0, got {a.damp}")
+        if a.method != "rtn":
+            check_calib_arg(a.calib)
+    if a.cmd in ("export", "quantize"):
+        if a.group_size is not None and a.group_size != -1 and a.group_size < 1:
+            raise ConvertError(f"--group-size must be -1 (per channel) or a positive size, got {a.group_size}")
+        _spec(a)  # format / bits / dtype combinations
+        if getattr(a, "params", None) and not os.path.isfile(a.params):
+            raise ConvertError(f"--params file {a.params!r} does not exist")
+        for attr in ("model",):
+            try:
+                setattr(a, attr, resolve_model(getattr(a, attr)))
+            except FileNotFoundError as e:
+                raise ConvertError(str(e)) from None
+    if a.cmd == "verify" and a.against:
+        try:
+            a.against = resolve_model(a.against)
+        except FileNotFoundError as e:
+            raise ConvertError(str(e)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     warnings.simplefilter("always")
     try:
+        _check_args(a)
         if a.cmd == "export":
             from tools.convert.export import export_checkpoint
 
