@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,22 @@ class StructuredOutputsParams:
 GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
 
 
+def _check_logit_bias(bias: Any) -> dict[int, float]:
+    """``{token id: bias}`` with integer ids >= 0 and finite biases in [-100, 100] (OpenAI's range)."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")
+    out = {}
+    for k, v in bias.items():
+        try:
+            tid, val = int(k), float(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias entry {k!r}: {v!r} must map an integer token id to a number") from None
+        if tid < 0 or not math.isfinite(val) or not -100.0 <= val <= 100.0:
+            raise ValueError(f"logit_bias entry {k!r}: {v!r}: token ids are >= 0 and biases finite in [-100, 100]")
+        out[tid] = val
+    return out
+
+
 def _json_loads(text: str) -> Any:
     return json.loads(text)
 
@@ -84,6 +101,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # 0 = only the logprob of each prompt token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> value added to its logit before sampling (OpenAI)
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: StructuredOutputsParams | None = None  # vLLM's older spelling; moved to structured_outputs
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
@@ -124,6 +142,8 @@ class SamplingParams:
             raise ValueError(f"stop={self.stop!r} must be a string or a list of non-empty strings")
         self._stop_list = stop
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        if self.logit_bias is not None:
+            self.logit_bias = _check_logit_bias(self.logit_bias)
         if self.guided_decoding is not None:
             if self.structured_outputs is not None:
                 raise ValueError("give structured_outputs or guided_decoding (its older name), not both")

@@ -142,6 +142,8 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})")
         if len(ids) > self.max_model_len - 1:
             raise ValueError(f"the prompt has {len(ids)} tokens, but max_model_len={self.max_model_len} leaves room for "
                              f"at most {self.max_model_len - 1} prompt tokens (and one generated token)")
@@ -215,6 +217,7 @@ class LLMEngine:
             generators=[s.generator for s in seqs], output_token_ids=[s.output_token_ids for s in seqs],
             prompt_token_ids=[s.prompt_token_ids for s in seqs], banned_token_ids=banned,
             num_logprobs=[s.params.logprobs for s in seqs],
+            logit_bias=[s.params.logit_bias for s in seqs] if any(s.params.logit_bias for s in seqs) else None,
             token_bitmask=None if self.structured is None else self.structured.bitmask([s.seq_id for s in seqs]),
         )
 

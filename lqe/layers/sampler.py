@@ -28,6 +28,7 @@ class SamplingBatch:
     banned_token_ids: list[list[int]]  # per row: EOS / stop ids while below min_tokens
     num_logprobs: list[int | None]  # per row: None = no logprobs wanted
     token_bitmask: torch.Tensor | None = None  # [B, ceil(V/32)] int32 allowed-token bits (structured output)
+    logit_bias: list[dict[int, float] | None] | None = None  # per row: token id -> added to the logit
 
     @property
     def needs_penalties(self) -> bool:
@@ -88,18 +89,35 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
     return logits
 
 
+def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float] | None]) -> torch.Tensor:
+    """Add each row's ``{token: bias}`` to its logits (ids past the vocabulary are refused upstream)."""
+    rows, cols, vals = [], [], []
+    for i, bias in enumerate(biases):
+        for tid, v in (bias or {}).items():
+            if tid < logits.shape[1]:
+                rows.append(i), cols.append(tid), vals.append(v)
+    if rows:
+        logits = logits.clone()
+        dev = logits.device
+        logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                          torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
+    return logits
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         greedy = batch.temperature == 0
         wants_logprobs = any(n is not None for n in batch.num_logprobs)
         if (bool(greedy.all()) and not wants_logprobs and not any(batch.banned_token_ids)
-                and not batch.needs_penalties and batch.token_bitmask is None):
+                and not batch.needs_penalties and batch.token_bitmask is None and not batch.logit_bias):
             # the common greedy step: argmax of the raw logits, one device-to-host copy
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * logits.shape[0])
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
         if batch.needs_penalties:
             logits = apply_penalties(logits, batch)
+        if batch.logit_bias:
+            logits = apply_logit_bias(logits, batch.logit_bias)
         for i, banned in enumerate(batch.banned_token_ids):
             if banned:
                 logits[i, banned] = float("-inf")
