@@ -277,6 +277,38 @@ def test_non_finite_logits_fail_the_request_with_500(srv):
     assert _post(url, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2}).status_code == 200
 
 
+def test_non_finite_logits_fail_only_the_named_request(srv):
+    """Two requests in one step, the logits of one of them non-finite: that one gets a 500, the other finishes
+    with exactly the tokens it gets alone."""
+    import concurrent.futures
+
+    from lqe.engine.model_runner import NonFiniteLogitsError
+
+    url, engine, _ = srv
+    runner = engine.engine.runner
+    body = {"model": MODEL, "prompt": "the tower is", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    alone = _post(url, "/v1/completions", body).json()["choices"][0]["text"]
+    real, state = runner.execute, {"fired": False}
+
+    def execute(sched, sampling):
+        rids = sorted({s.seq.request_id for s in sched.scheduled if s.samples})
+        if not state["fired"] and len(rids) == 2 and all(s.num_new_tokens == 1 for s in sched.scheduled):
+            state["fired"] = True
+            raise NonFiniteLogitsError(f"non-finite logits for {rids[0]}", [rids[0]])
+        return real(sched, sampling)
+
+    runner.execute = execute
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            rs = list(pool.map(lambda _: _post(url, "/v1/completions", body), range(2)))
+    finally:
+        del runner.execute
+    assert state["fired"]
+    assert sorted(r.status_code for r in rs) == [200, 500], [r.text for r in rs]
+    ok = next(r for r in rs if r.status_code == 200)
+    assert ok.json()["choices"][0]["text"] == alone
+
+
 def test_serve_flags():
     p = add_serve_args(argparse.ArgumentParser())
     a = p.parse_args(["--model", "m", "--block-size", "32", "--no-enable-prefix-caching", "--kv-cache-dtype", "auto",

@@ -163,8 +163,11 @@ class AsyncEngine:
                 raise
             except Exception as e:  # a failing step must not end the loop: fail what was in flight
                 self.num_step_errors += 1
-                logger.exception("lqe: engine step failed; failing %d request(s)", len(self._queues))
-                rids = list(self._queues)
+                # an error that names its requests (non-finite logits) fails those alone: the others' step is
+                # simply run again (nothing of it was committed: tokens are appended after sampling)
+                named = [r for r in (getattr(e, "request_ids", None) or []) if r in self._queues]
+                rids = named or list(self._queues)
+                logger.exception("lqe: engine step failed; failing %d request(s)", len(rids))
                 self._fail(rids, RequestFailed(f"the engine failed while serving this request: {type(e).__name__}: {e}"))
                 try:
                     await loop.run_in_executor(self._executor, self._call, self.engine.abort_request, (rids,))
