@@ -28,9 +28,9 @@ MAX_LEN = 256
 
 @contextlib.contextmanager
 def serve(model_dir: str, api_key: str | None = None, limits: ServingLimits | None = None, grace_s: float = 5.0,
-          num_kv_blocks: int = 64):
+          num_kv_blocks: int = 64, **engine_kw):
     engine = AsyncEngine(LLMEngine(EngineConfig.from_kwargs(
-        model_dir, max_model_len=MAX_LEN, num_kv_blocks=num_kv_blocks, max_num_seqs=16, device="cpu")))
+        model_dir, max_model_len=MAX_LEN, num_kv_blocks=num_kv_blocks, max_num_seqs=16, device="cpu", **engine_kw)))
     app = create_app(engine, MODEL, api_key, limits)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -213,3 +213,40 @@ def test_unsupported_quant_method_is_a_clear_error(gptq_base, tmp_path):
     with pytest.raises(ValueError, match="CTWNA16Method layers cannot be sharded yet"):
         LLM(out, tensor_parallel_size=2, **KW)
     assert not [p for p in __import__("multiprocessing").active_children() if p.name.startswith("lqe-tp")]
+
+
+def test_server_with_tp2_matches_tp1(tmp_path):
+    """`lqe serve --tensor-parallel-size 2`: the OpenAI server on a 2-rank engine answers as the 1-rank one,
+    streaming included, and closing the server stops the worker."""
+    import argparse
+
+    import httpx
+
+    from lqe.entrypoints.openai_server import _ENGINE_ARGS, add_serve_args
+    from test_server_reliability import serve
+
+    model = build_tiny_model(str(tmp_path / "m"), "llama")
+    args = add_serve_args(argparse.ArgumentParser()).parse_args([model, "--tensor-parallel-size", "2", "--device",
+                                                                 "cpu", "--max-model-len", "128"])
+    assert args.tensor_parallel_size == 2
+    body = {"model": "tiny", "prompt": [1, 520, 3100, 28, 9874], "max_tokens": 8, "temperature": 0}
+    texts, workers = {}, []
+    for tp in (1, 2):
+        with serve(model, tensor_parallel_size=tp) as (url, engine, _):
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            chunks = []
+            with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+                for line in s.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        chunks.append(json.loads(line[6:])["choices"][0]["text"])
+            texts[tp] = (r.json()["choices"][0]["text"], "".join(chunks))
+            if tp == 2:
+                workers = list(engine.engine.tp.procs)
+                assert all(p.is_alive() for p in workers)
+    assert texts[2] == texts[1] and texts[1][0] == texts[1][1]
+    assert "tensor_parallel_size" in _ENGINE_ARGS  # build_engine hands the flag to EngineConfig
+    deadline = time.monotonic() + 10
+    while any(p.is_alive() for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(p.is_alive() for p in workers)

@@ -85,6 +85,9 @@ class AsyncEngine:
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
         self._tok_executor.shutdown(wait=True, cancel_futures=True)
+        stop = getattr(self.engine, "shutdown", None)  # tensor-parallel workers
+        if stop is not None:
+            stop()
 
     @property
     def is_running(self) -> bool:

@@ -51,6 +51,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-bytes", type=_positive_int, default=None,
                    help="KV-cache budget in bytes (default: 1 GiB on CPU, --gpu-memory-utilization on GPU)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: run every step eagerly (no decode CUDA graphs)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="shard the model over N worker processes / GPUs (default 1)")
     p.add_argument("--max-cudagraph-batch", type=_positive_int, default=256,
                    help="largest decode batch replayed from a CUDA graph (default 256, capped by --max-num-seqs)")
 
@@ -69,7 +71,7 @@ def _llm(args):
     return LLM(args.model, quantization=args.quantization, dtype=args.dtype, device=args.device,
                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                kv_cache_memory_bytes=args.kv_cache_memory_bytes, enforce_eager=args.enforce_eager,
-               max_cudagraph_batch=args.max_cudagraph_batch)
+               max_cudagraph_batch=args.max_cudagraph_batch, tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _params(args):

@@ -187,6 +187,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-cudagraph-batch", type=int, default=None,
                         help="largest decode batch replayed from a CUDA graph (default 256)")
     parser.add_argument("--trust-remote-code", action="store_true", default=None)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                        help="shard the model over N worker processes / GPUs (default 1)")
     parser.add_argument("--allow-nonfinite-weights", action="store_true", default=None,
                         help="load a checkpoint whose scales / weights hold NaN, inf or non-positive scales, with a "
                              "warning (default: refuse it)")
