@@ -6,21 +6,11 @@ import math
 
 import torch
 
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 16
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
+from lqe.kernels.device_info import sm_count
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
                       min_tokens_per_split: int = 256, max_splits: int = 32) -> int:
     """Split long contexts until the grid covers the GPU about twice; never below ``min_tokens_per_split``."""
     by_len = max(1, math.ceil(max_seq_len / min_tokens_per_split))
-    by_occupancy = max(1, math.ceil(2 * _sm_count(device) / max(1, num_seqs * num_kv_heads)))
+    by_occupancy = max(1, math.ceil(2 * sm_count(device, cpu_default=16) / max(1, num_seqs * num_kv_heads)))
     return int(min(by_len, by_occupancy, max_splits))

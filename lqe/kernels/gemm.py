@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from lqe.kernels import build, dispatch
+from lqe.kernels.device_info import sm_count as device_sm_count
 from lqe.kernels.repack import PackedWNA16, repack_wna16, wna16_unsupported
 from lqe.quant_layers.canonical import CanonicalWeight
 
@@ -68,9 +69,8 @@ def ext():
     return _ext()
 
 
-@functools.lru_cache(maxsize=None)
 def sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    return device_sm_count(torch.device("cuda", device_index), cpu_default=1)
 
 
 def _block_m(m: int) -> int:

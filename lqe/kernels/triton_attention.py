@@ -12,7 +12,6 @@ Prefill reads its own new K/V back from the cache (they are stored first), which
 """
 from __future__ import annotations
 
-import math
 import os
 
 import torch

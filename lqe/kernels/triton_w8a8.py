@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lqe.kernels.device_info import sm_count
+
 try:
     import triton
     import triton.language as tl
@@ -94,18 +96,6 @@ def sweep_configs(m: int) -> list[W8A8Config]:
     return out
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
 def pick_config(m: int, n: int, k: int, device: torch.device | None = None,
                 table: list[tuple[int | None, W8A8Config]] | None = None) -> W8A8Config:
     """The tile configuration for an ``[m, k] x [k, n]`` product: the first row of ``table`` (default
@@ -115,7 +105,7 @@ def pick_config(m: int, n: int, k: int, device: torch.device | None = None,
             break
     if cfg.split_k == 0:
         cfg = W8A8Config(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
-                         auto_split_k(m, n, k, cfg, _sm_count(device or torch.device("cpu"))), cfg.group_m)
+                         auto_split_k(m, n, k, cfg, sm_count(device, cpu_default=8)), cfg.group_m)
     return cfg
 
 

@@ -28,7 +28,6 @@ from ``triton.autotune`` at call time; :func:`sweep_configs` lists the candidate
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 from dataclasses import dataclass, replace
@@ -41,6 +40,7 @@ try:
 except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = None
 
+from lqe.kernels.device_info import sm_count as device_sm_count
 from lqe.kernels.repack import PackedWNA16
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -93,15 +93,8 @@ def unavailable_reason(device: torch.device | str) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # interpreter: small, fixed, so CPU tests exercise split-K
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return device_sm_count(device, cpu_default=4)  # interpreter: small, fixed, so CPU tests exercise split-K
 
 
 def fit_block_k(block_k: int, group_size: int, k: int) -> int:
