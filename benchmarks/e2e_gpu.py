@@ -10,7 +10,7 @@ Per (model shape, variant) it measures, through the public API (``LLM.generate``
   uniform in [100, 1024] (seeded); ``total_tok_s`` adds the prompt tokens;
 * ``weight_gbps_bs1``: weight bytes read per decoded token (every weight except the embedding table, which is
   gathered, unless tied to the LM head) x ``decode_tok_s_bs1``: compare with the GPU's HBM bandwidth;
-* ``gpu_ms_step_bs1``: GPU time of one batch-1 decode step (its CUDA graph replayed back to back, 128 cached
+* ``gpu_ms_step_bs1``: GPU time of one batch-1 decode step (its CUDA graph replayed back to back, 256 cached
   tokens), and ``gpu_busy_bs1`` = that time x ``decode_tok_s_bs1`` / 1000: the fraction of a step the GPU works;
 * ``host_ms_step_bs1``: wall time of ``LLMEngine.step()`` minus the time it waits for the GPU (scheduling, input
   building, sampling bookkeeping, output processing), over 64 batch-1 decode steps;
