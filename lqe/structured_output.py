@@ -3,7 +3,7 @@
 One :class:`StructuredOutputs` per engine compiles each request's constraint once (cached by its text) against
 the model's tokenizer and keeps one ``xgrammar.GrammarMatcher`` per sequence. Before each sampling step it fills
 a packed token bitmask (int32, 32 tokens per word; rows of unconstrained sequences allow everything), which the
-sampler unpacks on the logits' device and applies as ``-inf``; after the step each matcher accepts its sampled
+sampler applies on the logits' device with ``xgrammar.apply_token_bitmask_inplace``; after the step each matcher accepts its sampled
 token. A sequence whose grammar is complete can only emit a stop token (EOS), and finishes then.
 """
 from __future__ import annotations
@@ -92,14 +92,3 @@ class StructuredOutputs:
         if not m.accept_token(token):
             raise RuntimeError(f"structured output: sampled token {token} is not allowed by the grammar")
         return m.is_terminated()
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
-    """Packed int32 bits ``[B, W]`` -> bool ``[B, vocab]`` on ``device`` (tokens beyond ``32 W`` are disallowed)."""
-    bits = bitmask.to(device=device, dtype=torch.int32)
-    shifts = torch.arange(32, device=device, dtype=torch.int32)
-    allowed = ((bits[:, :, None] >> shifts) & 1).bool().reshape(bits.shape[0], -1)
-    if allowed.shape[1] >= vocab:
-        return allowed[:, :vocab]
-    pad = torch.zeros(bits.shape[0], vocab - allowed.shape[1], dtype=torch.bool, device=device)
-    return torch.cat([allowed, pad], dim=1)

@@ -121,11 +121,11 @@ class Sampler:
         for i, banned in enumerate(batch.banned_token_ids):
             if banned:
                 logits[i, banned] = float("-inf")
-        if batch.token_bitmask is not None:
-            from lqe.structured_output import unpack_bitmask
+        if batch.token_bitmask is not None:  # structured output: xgrammar's kernel sets the disallowed tokens to -inf
+            import xgrammar
 
-            allowed = unpack_bitmask(batch.token_bitmask, logits.shape[1], logits.device)
-            logits = logits.masked_fill(~allowed, float("-inf"))
+            xgrammar.apply_token_bitmask_inplace(logits, batch.token_bitmask.to(logits.device),
+                                                 vocab_size=logits.shape[1])
         tokens = logits.argmax(dim=-1)  # the greedy rows' answer (top-k/p/min-p never drop the top token)
         rows = torch.nonzero(~greedy).flatten().tolist()
         if rows:
