@@ -116,6 +116,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
         self.table_width = needed
+        self.buckets = batch_buckets(self.config.max_num_seqs, self.config.max_cudagraph_batch)
         tokens = max(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         seqs = self.config.max_num_seqs
         self.inputs = StepInputBuilder(self.device, self.block_size,
@@ -125,8 +126,7 @@ class ModelRunner:
         """Split count of the decode attention for a step of ``num_seqs`` sequences: a function of the batch's
         graph bucket and ``max_model_len`` only, so an eager step and a graph replay of the same batch split
         (and round) the same way, whatever the current sequence lengths."""
-        buckets = batch_buckets(self.config.max_num_seqs, self.config.max_cudagraph_batch)
-        b = bucket_for(num_seqs, buckets) or num_seqs
+        b = bucket_for(num_seqs, self.buckets) or num_seqs
         return choose_num_splits(b, self.num_kv_heads, self.max_model_len, self.device)
 
     def capture_cuda_graphs(self, runner_cls: type[CudaGraphRunner] = CudaGraphRunner) -> None:
@@ -135,8 +135,7 @@ class ModelRunner:
         if runner_cls is CudaGraphRunner and (self.device.type != "cuda" or self.config.enforce_eager or self.tp_size > 1):
             return  # tensor-parallel steps run eagerly: no collectives are captured in graphs
         self.graph_runner = runner_cls(
-            self.model, self.kv_caches, self.inputs, batch_buckets(self.config.max_num_seqs, self.config.max_cudagraph_batch),
-            self.table_width, self.max_model_len, self.block_size, self.decode_splits)
+            self.model, self.kv_caches, self.inputs, self.buckets, self.table_width, self.max_model_len, self.block_size, self.decode_splits)
         self.graph_runner.capture()
 
     # -- one step -------------------------------------------------------------------------------------
@@ -160,19 +159,24 @@ class ModelRunner:
         if self.graph_runner is not None:
             logits = self.graph_runner.run(sched)
             if logits is not None:
-                self._wait_for_gpu()
-                check_logits_finite(logits, sched)
-                return StepResult(self.sampler(logits, sampling), {})
+                return StepResult(self._sample(logits, sched, sampling), {})
         hidden, inp = self.forward(sched)
         sampled = None
         if inp.num_sample:
             rows = hidden if inp.sample_rows is None else hidden[inp.sample_rows]
             logits = self.model.compute_logits(rows)
-            self._wait_for_gpu()
             if self.tp_rank == 0:  # workers of a tensor-parallel engine only take part in the collectives
-                check_logits_finite(logits, sched)
-                sampled = self.sampler(logits, sampling)
+                sampled = self._sample(logits, sched, sampling)
         return StepResult(sampled, self._prompt_logprobs(sched, hidden, inp.meta.query_start_loc_cpu))
+
+    def _sample(self, logits: torch.Tensor, sched: SchedulerOutput, sampling: SamplingBatch) -> SamplerOutput:
+        """Sample, then fail the requests whose logits were NaN / inf. The finiteness test is queued before the
+        sampler and read after the sampler's own device-to-host copy, so it adds no wait for the GPU."""
+        self._wait_for_gpu()
+        finite = torch.isfinite(logits).all(dim=-1)
+        out = self.sampler(logits, sampling)
+        raise_if_nonfinite(finite, sched)
+        return out
 
     def _wait_for_gpu(self) -> None:
         if self.measure_gpu_wait and self.device.type == "cuda":
@@ -219,9 +223,8 @@ class NonFiniteLogitsError(RuntimeError):
         self.request_ids = request_ids
 
 
-def check_logits_finite(logits: torch.Tensor, sched: SchedulerOutput) -> None:
-    """Raise ``NonFiniteLogitsError`` naming the requests whose logits hold NaN / inf (one pass, one sync)."""
-    ok = torch.isfinite(logits).all(dim=-1)
+def raise_if_nonfinite(ok: torch.Tensor, sched: SchedulerOutput) -> None:
+    """Raise ``NonFiniteLogitsError`` naming the requests whose sampled row is not all finite (``ok [rows]``)."""
     if bool(ok.all()):
         return
     rows = [s.seq for s in sched.scheduled if s.samples]
