@@ -99,9 +99,9 @@ def fill_host(buf: np.ndarray, sched: SchedulerOutput, block_size: int, pad_seqs
     else:
         b_pad = b
     w = width if width is not None else max(len(s.seq.block_table) for s in scheduled)
-    sample = [] if logits_for_all else None
-    lay = StepLayout(num_tokens, b_pad, w, 0)
-    if lay.sample_rows > buf.shape[0]:
+    num_sample = 0 if logits_for_all else sum(s.samples for s in scheduled)
+    lay = StepLayout(num_tokens, b_pad, w, num_sample)
+    if lay.size > buf.shape[0]:
         raise ValueError(f"step needs {lay.size} input slots, the buffer holds {buf.shape[0]}")
     ids = buf[lay.ids:lay.positions]
     pos = buf[lay.positions:lay.slots]
@@ -109,10 +109,10 @@ def fill_host(buf: np.ndarray, sched: SchedulerOutput, block_size: int, pad_seqs
     qsl = buf[lay.query_start_loc:lay.seq_lens]
     lens = buf[lay.seq_lens:lay.block_tables]
     tables = buf[lay.block_tables:lay.sample_rows].reshape(b_pad, w)
+    sample_rows = buf[lay.sample_rows:lay.size]
     tables.fill(0)
-    t = 0
+    t = k = 0
     qsl[0] = 0
-    sample_rows = []
     for i, s in enumerate(scheduled):
         seq, start, n = s.seq, s.start, s.num_new_tokens
         bt = seq.block_table
@@ -129,20 +129,15 @@ def fill_host(buf: np.ndarray, sched: SchedulerOutput, block_size: int, pad_seqs
         qsl[i + 1] = t
         lens[i] = start + n
         tables[i, :len(bt)] = bt
-        if sample is None and s.samples:
-            sample_rows.append(t - 1)
+        if num_sample and s.samples:
+            sample_rows[k] = t - 1
+            k += 1
     if b_pad > b:  # padding rows: one token each, stored nowhere, attending to nothing
         ids[t:] = 0
         pos[t:] = 0
         slots[t:] = -1
         qsl[b + 1:] = np.arange(t + 1, t + 1 + b_pad - b)
         lens[b:] = 0
-    if sample is None:
-        s_rows = len(sample_rows)
-        if lay.sample_rows + s_rows > buf.shape[0]:
-            raise ValueError(f"step needs {lay.size + s_rows} input slots, the buffer holds {buf.shape[0]}")
-        buf[lay.sample_rows:lay.sample_rows + s_rows] = sample_rows
-        lay = StepLayout(num_tokens, b_pad, w, s_rows)
     return lay
 
 
@@ -181,8 +176,6 @@ class StepInputBuilder:
             if ev is None:
                 ev = self._events[i] = torch.cuda.Event()
             ev.record()
-        elif i != 0:
-            raise AssertionError("one host buffer on CPU")
         return lay
 
     def last_host(self) -> np.ndarray:
