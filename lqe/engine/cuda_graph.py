@@ -73,6 +73,15 @@ class CudaGraphRunner:
             block_size=self.block_size, num_splits=self.num_splits(b))
         return ids, pos, meta
 
+    def _fill_synthetic(self, b: int, seq_len: int) -> StepLayout:
+        """Inputs of a ``b``-row decode step that stores nothing (slots -1), every row attending to ``seq_len``
+        cached tokens of block 0 (0: to nothing); the bucket's layout."""
+        lay = StepLayout(b, b, self.width, 0)
+        ids, pos, slots, qsl, lens, tables, _ = views(self.inputs.device_buf, lay)
+        ids.fill_(1), pos.fill_(max(0, seq_len - 1)), slots.fill_(-1), lens.fill_(seq_len), tables.zero_()
+        qsl.copy_(torch.arange(b + 1, dtype=torch.int32, device=qsl.device))
+        return lay
+
     def _forward(self, b: int, lay: StepLayout) -> torch.Tensor:
         ids, pos, meta = self._meta(b, lay)
         return self._run_model(ids, pos, meta)
@@ -86,14 +95,9 @@ class CudaGraphRunner:
         t0 = time.perf_counter()
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
-        dev = self.inputs.device_buf
         stream = torch.cuda.Stream()  # one side stream for every warm-up (each new stream gets its own cuBLAS workspace)
         for b in sorted(self.buckets, reverse=True):
-            lay = StepLayout(b, b, self.width, 0)
-            # dummy inputs: every row a padding row (slot -1, seq_len 0), so capture writes nothing to the cache
-            ids, pos, slots, qsl, lens, tables, _ = views(dev, lay)
-            ids.zero_(), pos.zero_(), slots.fill_(-1), lens.zero_(), tables.zero_()
-            qsl.copy_(torch.arange(b + 1, dtype=torch.int32, device=dev.device))
+            lay = self._fill_synthetic(b, 0)  # padding rows only: capture writes nothing to the cache
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up outside the graph: JIT builds, autotuning, lazily allocated buffers
@@ -119,10 +123,7 @@ class CudaGraphRunner:
         """Milliseconds of GPU time per replay of ``bucket``'s graph, back to back (no host work between), every
         row attending to ``seq_len`` cached tokens of block table 0s and storing nothing: the GPU work of one
         decode step."""
-        lay = StepLayout(bucket, bucket, self.width, 0)
-        ids, pos, slots, qsl, lens, tables, _ = views(self.inputs.device_buf, lay)
-        ids.fill_(1), pos.fill_(seq_len - 1), slots.fill_(-1), lens.fill_(seq_len), tables.zero_()
-        qsl.copy_(torch.arange(bucket + 1, dtype=torch.int32, device=qsl.device))
+        self._fill_synthetic(bucket, seq_len)
         graph = self.graphs[bucket]
         for _ in range(5):
             graph.replay()
