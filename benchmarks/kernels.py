@@ -182,20 +182,11 @@ def wna16_sweep(shapes: list[str], ms: list[int]) -> list[dict]:
                         x, c(), out=o, path="triton-wna16", config=cfg))(), reps=30)
                 except Exception as e:  # noqa: BLE001 -- a config that does not compile / fit is skipped
                     print(f"# {shape} M={m} {cfg.label()}: {type(e).__name__}: {str(e)[:100]}")
-            order = sorted(timed.items(), key=lambda kv: kv[1])
-            print(f"# wna16 sweep {shape} M={m}: cublas-bf16 {base:.2f} us, bytes floor {floor_us:.2f} us; best: "
-                  + ", ".join(f"{nm} {us:.2f} us {base / us:.2f}x" for nm, us in order[:4]))
-            for nm, us in timed.items():
-                rows.append({"kernel": nm, "shape": shape, "m": m, "us": round(us, 2), "bf16_us": round(base, 2),
-                             "floor_us": round(floor_us, 2), "speedup_vs_cublas": round(base / us, 3)})
-                by_m.setdefault(m, {}).setdefault(nm, []).append(base / us)
+            record_sweep(rows, by_m, f"wna16 sweep {shape} M={m}: cublas-bf16 {base:.2f} us, bytes floor "
+                         f"{floor_us:.2f} us", shape, m, base, timed, top=4, floor_us=floor_us)
         del wb, p4
         torch.cuda.empty_cache()
-    print("# W4A16 sweep: geometric-mean speed-up over cuBLAS bf16 across shapes, best 4 per M")
-    for m, d in by_m.items():
-        full = {nm: v for nm, v in d.items() if len(v) == len(shapes)}
-        gm = sorted(((math.exp(sum(map(math.log, v)) / len(v)), nm) for nm, v in full.items()), reverse=True)
-        print(f"#   M={m:5d}: " + ", ".join(f"{nm} {g:.2f}x" for g, nm in gm[:4]))
+    print_geomeans("W4A16", by_m, len(shapes), top=4)
     return rows
 
 
@@ -271,20 +262,33 @@ def w8a8_sweep(shapes: list[str], ms: list[int], copy_gbps: float) -> list[dict]
             table_cfg = tw.pick_config(m, n, k, torch.device("cuda"))
             timed[f"triton-w8a8(table {table_cfg})"] = bench((lambda c=cycler(wi8): lambda: tw.w8a8_mm(
                 q, s, c().t(), ws, out=o))())
-            order = sorted(timed.items(), key=lambda kv: kv[1])
-            print(f"# sweep {shape} M={m}: cublas-bf16 {base:.2f} us; best: " + ", ".join(
-                f"{nm} {us:.2f} us {base / us:.2f}x" for nm, us in order[:4]))
-            for nm, us in timed.items():
-                rows.append({"kernel": nm, "shape": shape, "m": m, "us": round(us, 2), "bf16_us": round(base, 2),
-                             "speedup_vs_cublas": round(base / us, 3)})
-            for nm, us in timed.items():
-                best_by_m.setdefault(m, {}).setdefault(nm, []).append(base / us)
-    print("# W8A8 sweep: geometric-mean speed-up over cuBLAS bf16 across shapes, best 3 per M")
-    for m, d in best_by_m.items():
-        full = {nm: v for nm, v in d.items() if len(v) == len(shapes)}
-        gm = sorted(((math.exp(sum(map(math.log, v)) / len(v)), nm) for nm, v in full.items()), reverse=True)
-        print(f"#   M={m:5d}: " + ", ".join(f"{nm} {g:.2f}x" for g, nm in gm[:3]))
+            record_sweep(rows, best_by_m, f"sweep {shape} M={m}: cublas-bf16 {base:.2f} us", shape, m, base, timed,
+                         top=4)
+    print_geomeans("W8A8", best_by_m, len(shapes), top=3)
     return rows
+
+
+def record_sweep(rows: list, by_m: dict, title: str, shape: str, m: int, base: float, timed: dict[str, float],
+                 top: int, floor_us: float | None = None) -> None:
+    """Print the ``top`` fastest candidates of one (shape, M) and append every one to ``rows`` / ``by_m``."""
+    order = sorted(timed.items(), key=lambda kv: kv[1])
+    print(f"# {title}; best: " + ", ".join(f"{nm} {us:.2f} us {base / us:.2f}x" for nm, us in order[:top]))
+    for nm, us in timed.items():
+        row = {"kernel": nm, "shape": shape, "m": m, "us": round(us, 2), "bf16_us": round(base, 2),
+               "speedup_vs_cublas": round(base / us, 3)}
+        if floor_us is not None:
+            row["floor_us"] = round(floor_us, 2)
+        rows.append(row)
+        by_m.setdefault(m, {}).setdefault(nm, []).append(base / us)
+
+
+def print_geomeans(what: str, by_m: dict, num_shapes: int, top: int) -> None:
+    """Per M, the candidates timed on every shape, ranked by geometric-mean speed-up over cuBLAS bf16."""
+    print(f"# {what} sweep: geometric-mean speed-up over cuBLAS bf16 across shapes, best {top} per M")
+    for m, d in by_m.items():
+        full = {nm: v for nm, v in d.items() if len(v) == num_shapes}
+        gm = sorted(((math.exp(sum(map(math.log, v)) / len(v)), nm) for nm, v in full.items()), reverse=True)
+        print(f"#   M={m:5d}: " + ", ".join(f"{nm} {g:.2f}x" for g, nm in gm[:top]))
 
 
 def main(argv=None) -> int:
