@@ -1,6 +1,7 @@
 """Builders for tiny random-weight checkpoints that the tests load through the engine."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 
@@ -57,3 +58,40 @@ def hf_logprobs(model_dir: str, token_ids: list[int]) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
         return model(torch.tensor([token_ids])).logits[0].float().log_softmax(-1)
+
+
+@contextlib.contextmanager
+def serve_openai(model_dir: str, served_name: str = "tiny", api_key: str | None = None, limits=None,
+                 grace_s: float = 5.0, log_level: str = "warning", **engine_kw):
+    """The OpenAI server on a CPU engine of ``model_dir`` in a background thread: yields ``(url, engine, server)``
+    and shuts everything down afterwards (``engine_kw`` go to ``EngineConfig``)."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from lqe.config import EngineConfig
+    from lqe.engine.llm_engine import LLMEngine
+    from lqe.entrypoints.async_engine import AsyncEngine
+    from lqe.entrypoints.openai_server import GracefulServer, create_app
+
+    engine = AsyncEngine(LLMEngine(EngineConfig.from_kwargs(model_dir, device="cpu", **engine_kw)))
+    app = create_app(engine, served_name, api_key, limits)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = GracefulServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level), engine, grace_s)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", engine, server
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+        engine.close()

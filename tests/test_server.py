@@ -5,20 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
+from helpers import serve_openai
 from lqe import SamplingParams
-from lqe.config import EngineConfig
-from lqe.engine.llm_engine import LLMEngine
-from lqe.entrypoints.async_engine import AsyncEngine
-from lqe.entrypoints.openai_server import add_serve_args, create_app
+from lqe.entrypoints.openai_server import add_serve_args
 
 MODEL = "tiny"
 MAX_LEN = 256
@@ -27,26 +22,9 @@ NUM_BLOCKS = 96
 
 @contextlib.contextmanager
 def _serve(model_dir: str, api_key: str | None = None, num_kv_blocks: int = NUM_BLOCKS):
-    engine = AsyncEngine(LLMEngine(EngineConfig.from_kwargs(
-        model_dir, max_model_len=MAX_LEN, num_kv_blocks=num_kv_blocks, max_num_seqs=32, device="cpu")))
-    app = create_app(engine, MODEL, api_key)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}", engine
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        engine.close()
+    with serve_openai(model_dir, MODEL, api_key, max_model_len=MAX_LEN, num_kv_blocks=num_kv_blocks,
+                      max_num_seqs=32) as (url, engine, _):
+        yield url, engine
 
 
 @pytest.fixture(scope="module")

@@ -4,51 +4,27 @@ per-request timeout, graceful shutdown, non-finite logits, and the `lqe serve` f
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import socket
 import threading
 import time
 
 import httpx
 import pytest
 import torch
-import uvicorn
 
+from helpers import serve_openai
 from lqe import SamplingParams
-from lqe.config import EngineConfig
-from lqe.engine.llm_engine import LLMEngine
-from lqe.entrypoints.async_engine import AsyncEngine
-from lqe.entrypoints.openai_server import GracefulServer, add_serve_args, create_app, model_arg
+from lqe.entrypoints.openai_server import add_serve_args, model_arg
 from lqe.entrypoints.serving import ServingLimits
 
 MODEL = "tiny"
 MAX_LEN = 256
 
 
-@contextlib.contextmanager
 def serve(model_dir: str, api_key: str | None = None, limits: ServingLimits | None = None, grace_s: float = 5.0,
           num_kv_blocks: int = 64, **engine_kw):
-    engine = AsyncEngine(LLMEngine(EngineConfig.from_kwargs(
-        model_dir, max_model_len=MAX_LEN, num_kv_blocks=num_kv_blocks, max_num_seqs=16, device="cpu", **engine_kw)))
-    app = create_app(engine, MODEL, api_key, limits)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = GracefulServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"), engine, grace_s)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}", engine, server
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-        engine.close()
+    return serve_openai(model_dir, MODEL, api_key, limits, grace_s, max_model_len=MAX_LEN, num_kv_blocks=num_kv_blocks,
+                        max_num_seqs=16, **engine_kw)
 
 
 @pytest.fixture(scope="module")

@@ -8,19 +8,14 @@ import asyncio
 import json
 import random
 import re
-import socket
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 
+from helpers import serve_openai
 from lqe import LLM, SamplingParams
-from lqe.config import EngineConfig
-from lqe.engine.llm_engine import LLMEngine
 from lqe.entrypoints.async_engine import AsyncEngine
-from lqe.entrypoints.openai_server import GracefulServer, create_app
 from lqe.entrypoints.serving import ServingLimits
 
 pytestmark = pytest.mark.stress
@@ -32,24 +27,10 @@ NUM_BLOCKS = 24  # 384 token slots for up to 12 sequences of up to ~200 tokens: 
 
 @pytest.fixture(scope="module")
 def stress_server(tiny_llama_dir):
-    engine = AsyncEngine(LLMEngine(EngineConfig.from_kwargs(
-        tiny_llama_dir, max_model_len=MAX_LEN, num_kv_blocks=NUM_BLOCKS, max_num_seqs=12, device="cpu",
-        enable_prefix_caching=False, max_num_batched_tokens=256)))
-    app = create_app(engine, MODEL, None, ServingLimits(max_body_bytes=2 << 20))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = GracefulServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"), engine, 2.0)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the stress server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", engine
-    server.should_exit = True
-    thread.join(timeout=15)
-    engine.close()
+    with serve_openai(tiny_llama_dir, MODEL, None, ServingLimits(max_body_bytes=2 << 20), grace_s=2.0,
+                      log_level="error", max_model_len=MAX_LEN, num_kv_blocks=NUM_BLOCKS, max_num_seqs=12,
+                      enable_prefix_caching=False, max_num_batched_tokens=256) as (url, engine, _):
+        yield url, engine
 
 
 def _metrics(url: str) -> dict[str, float]:
