@@ -95,3 +95,33 @@ def serve_openai(model_dir: str, served_name: str = "tiny", api_key: str | None 
         server.should_exit = True
         thread.join(timeout=15)
         engine.close()
+
+
+QUANT_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_quantized_checkpoint(base: str, out: str, encode, qcfg: dict) -> str:
+    """``base`` (a float checkpoint of one ``model.safetensors``) with every decoder linear's weight replaced by
+    ``encode(module_name, weight)``'s tensors, its other files copied, and ``qcfg`` as the quantization config."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(out, exist_ok=True)
+    q_sd = {}
+    for name, t in load_file(os.path.join(base, "model.safetensors")).items():
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and module.rpartition(".")[2] in QUANT_LINEARS:
+            q_sd.update({f"{module}.{k}": v.contiguous() for k, v in encode(module, t).items()})
+        else:
+            q_sd[name] = t
+    for f in os.listdir(base):
+        if f != "model.safetensors" and os.path.isfile(os.path.join(base, f)):
+            shutil.copy(os.path.join(base, f), os.path.join(out, f))
+    save_file(q_sd, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = qcfg
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return out

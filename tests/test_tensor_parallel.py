@@ -11,9 +11,8 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from helpers import build_tiny_model
+from helpers import build_tiny_model, write_quantized_checkpoint
 from lqe import LLM, SamplingParams
 from lqe.quant_layers import reference as ref
 
@@ -59,27 +58,7 @@ def test_float_tp2_matches_tp1(arch, overrides, tmp_path):
 
 
 def _quant_checkpoint(base: str, out: str, encode, qcfg: dict) -> str:
-    """``base`` with every decoder linear replaced by ``encode(weight)``'s tensors and ``qcfg`` in config.json."""
-    sd = load_file(os.path.join(base, "model.safetensors"))
-    q = {}
-    for name, t in sd.items():
-        module, _, leaf = name.rpartition(".")
-        if leaf == "weight" and module.rpartition(".")[2] in LINEARS:
-            q.update({f"{module}.{n}": v.contiguous() for n, v in encode(t).items()})
-        else:
-            q[name] = t
-    os.makedirs(out)
-    for f in os.listdir(base):
-        if f != "model.safetensors":
-            with open(os.path.join(base, f), "rb") as src, open(os.path.join(out, f), "wb") as dst:
-                dst.write(src.read())
-    save_file(q, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(out, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = qcfg
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    return out
+    return write_quantized_checkpoint(base, out, lambda _name, w: encode(w), qcfg)
 
 
 def _gptq_checkpoint(base: str, out: str, sym: bool, act: bool, group: int = 32) -> str:

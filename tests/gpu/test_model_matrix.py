@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import functools
 import gc
-import json
 import os
 import random
-import shutil
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,7 +18,7 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-from helpers import build_tiny_model  # noqa: E402
+from helpers import build_tiny_model, write_quantized_checkpoint  # noqa: E402
 from lqe.quant_layers import reference as ref  # noqa: E402
 
 DEVICE = "cuda"
@@ -187,26 +185,8 @@ def input_ranges(model_dir: str) -> dict[str, tuple[float, float]]:
 
 def write_quantized(base: str, out: str, fmt: Fmt) -> str:
     """``base`` with every linear of the decoder layers written by ``fmt.encode`` and ``fmt.qcfg`` in config.json."""
-    from safetensors.torch import load_file, save_file
-
-    os.makedirs(out, exist_ok=True)
     calib = input_ranges(base) if fmt.family != "weight" else {}
-    q_sd = {}
-    for name, t in load_file(os.path.join(base, "model.safetensors")).items():
-        module, _, leaf = name.rpartition(".")
-        if leaf == "weight" and module.rpartition(".")[2] in LINEARS:
-            q_sd.update({f"{module}.{k}": v.contiguous() for k, v in fmt.encode(module, t, calib).items()})
-        else:
-            q_sd[name] = t
-    save_file(q_sd, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(base, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = fmt.qcfg
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    if os.path.isfile(os.path.join(base, "generation_config.json")):
-        shutil.copy(os.path.join(base, "generation_config.json"), out)
-    return out
+    return write_quantized_checkpoint(base, out, lambda name, w: fmt.encode(name, w, calib), fmt.qcfg)
 
 
 def build_checkpoints(root: str, names: list[str] | None = None) -> dict[str, str]:

@@ -2,7 +2,6 @@
 CPU reference path; a SmolLM2-shaped random model gives the same prompt logprobs on GPU as on CPU."""
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -11,7 +10,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 import lqe.kernels as kernels  # noqa: E402
-from helpers import build_tiny_model  # noqa: E402
+from helpers import build_tiny_model, write_quantized_checkpoint  # noqa: E402
 from lqe.quant_layers import reference as ref  # noqa: E402
 from lqe.quant_layers import wna16_kernels  # noqa: E402
 from test_kernel_selection import awq_layer, fp8_layer, gptq_layer, w8a8_layer  # noqa: E402  (builders; tests/ is on sys.path)
@@ -186,27 +185,7 @@ def smollm2_dir(tmp_path_factory):
 
 
 def _write_quantized(base: str, out: str, encode, qcfg) -> None:
-    from safetensors.torch import load_file, save_file
-
-    os.makedirs(out, exist_ok=True)
-    sd = load_file(os.path.join(base, "model.safetensors"))
-    q_sd = {}
-    for name, t in sd.items():
-        module, _, leaf = name.rpartition(".")
-        if leaf == "weight" and module.rpartition(".")[2] in LINEARS:
-            q_sd.update({f"{module}.{k}": v.contiguous() for k, v in encode(t).items()})
-        else:
-            q_sd[name] = t
-    for f in os.listdir(base):
-        if f != "model.safetensors" and os.path.isfile(os.path.join(base, f)):
-            with open(os.path.join(base, f), "rb") as src, open(os.path.join(out, f), "wb") as dst:
-                dst.write(src.read())
-    save_file(q_sd, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(out, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = qcfg
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    write_quantized_checkpoint(base, out, lambda _name, w: encode(w), qcfg)
 
 
 def _prompt_logprobs(model_dir: str, device: str, dtype: str) -> tuple[torch.Tensor, str]:
