@@ -69,7 +69,7 @@ def test_generation_config_gives_the_defaults(tiny_llama_dir, tmp_path):
 
 
 def test_bad_generation_config_values_are_dropped(tmp_path):
-    from lqe.engine.llm_engine import read_generation_defaults
+    from lqe.loaders.generation_config import read_generation_defaults
 
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -1, "top_k": 5, "max_new_tokens": 0}))
     assert read_generation_defaults(str(tmp_path)) == {"top_k": 5}

@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Iterable
@@ -18,6 +16,7 @@ from lqe.engine.model_runner import ModelRunner, StepResult
 from lqe.engine.scheduler import Scheduler, SchedulerOutput
 from lqe.engine.sequence import Sequence
 from lqe.layers.sampler import SamplingBatch
+from lqe.loaders.generation_config import read_generation_defaults
 from lqe.loaders.hf_config import parse_model_config, read_config_json
 from lqe.loaders.model_source import resolve_model
 from lqe.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -310,37 +309,6 @@ class LLMEngine:
 
     def _decode1(self, token: int) -> str | None:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else None
-
-
-_GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                      "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-
-
-def read_generation_defaults(model_dir: str) -> dict:
-    """The SamplingParams fields set by ``generation_config.json`` (``{}`` when it is absent or sets none).
-
-    As in vLLM, ``do_sample`` is not consulted. Values SamplingParams refuses are
-    dropped with a warning naming them instead of making every default request fail."""
-    path = os.path.join(model_dir, "generation_config.json")
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            gen = json.load(f)
-    except (OSError, ValueError) as e:
-        logger.warning("ignoring %s: %s", path, e)
-        return {}
-    out = {dst: gen[src] for src, dst in _GENERATION_FIELDS.items() if gen.get(src) is not None}
-    for key, value in list(out.items()):
-        try:
-            SamplingParams(**{key: value})
-        except (TypeError, ValueError) as e:
-            logger.warning("generation_config.json: ignoring %s=%r (%s)", key, value, e)
-            del out[key]
-    if out:
-        logger.info("default sampling params from generation_config.json: %s (pass SamplingParams to override)",
-                    ", ".join(f"{k}={v}" for k, v in out.items()))
-    return out
 
 
 def _pick_device(name: str) -> torch.device:
