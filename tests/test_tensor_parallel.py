@@ -1,6 +1,6 @@
 """Tensor parallelism on CPU with gloo: 2 ranks (the test process + one spawned worker) give the same greedy
-tokens (and prompt logprobs) as 1, for float, GPTQ, AWQ and W8A8 models; failures are clear and leave no worker
-behind."""
+tokens (and prompt logprobs) as 1, for float, GPTQ (sym, asym, act-order), AWQ, compressed-tensors W4A16 / W8A8 /
+FP8, ``quant_method: fp8`` and quantize-on-load models; failures are clear and leave no worker behind."""
 from __future__ import annotations
 
 import json
@@ -21,9 +21,9 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 KW = dict(kv_cache_memory_bytes=8 << 20, max_model_len=128)
 
 
-def _run(model_dir: str, tp: int) -> tuple[list[list[int]], torch.Tensor]:
+def _run(model_dir: str, tp: int, **kw) -> tuple[list[list[int]], torch.Tensor]:
     """Greedy tokens of every prompt and the prompt logprobs of the first one."""
-    llm = LLM(model_dir, tensor_parallel_size=tp, **KW)
+    llm = LLM(model_dir, tensor_parallel_size=tp, **KW, **kw)
     try:
         sp = [SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=0)] + [SamplingParams(temperature=0, max_tokens=6)] * 2
         outs = llm.generate(PROMPTS, sp, use_tqdm=False)
@@ -112,11 +112,40 @@ def test_gptq_tp2_matches_tp1(sym, gptq_base, tmp_path):
     assert (lp1 - lp2).abs().max().item() < 1e-3
 
 
-def test_gptq_act_order_row_parallel_is_a_clear_error(gptq_base, tmp_path):
-    d = _gptq_checkpoint(gptq_base, str(tmp_path / "q"), True, act=True)
-    with pytest.raises(ValueError, match="act-order GPTQ .* row-parallel"):
-        LLM(d, tensor_parallel_size=2, **KW)
-    assert not [p for p in __import__("multiprocessing").active_children() if p.name.startswith("lqe-tp")]
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
+def test_gptq_act_order_tp2_matches_tp1(sym, gptq_base, tmp_path):
+    """Act-order rows read groups anywhere in K: a row-parallel rank loads every group's scales / zeros and keeps
+    global group ids (vLLM's rule), so o_proj / down_proj give the same partial sums."""
+    d = _gptq_checkpoint(gptq_base, str(tmp_path / "q"), sym, act=True)
+    tok1, lp1 = _run(d, 1)
+    tok2, lp2 = _run(d, 2)
+    assert tok2 == tok1
+    assert (lp1 - lp2).abs().max().item() < 1e-3
+
+
+def test_shard_canonical_act_order_and_plain_rows():
+    """Unit check of the row-parallel rule without processes: each rank's canonical weight, stacked over the ranks,
+    dequantizes to the whole layer's weight, for act-order and plain g_idx, aligned or not."""
+    from types import SimpleNamespace
+
+    from lqe.quant_layers.weight_only import shard_canonical
+
+    k, n, g = 96, 8, 32
+    w = torch.randn(k, n)
+    for act in (False, True):
+        g_idx = (torch.randperm(k, generator=torch.Generator().manual_seed(1)) // g).int() if act else None
+        cw = ref.rtn_quantize(w.t().contiguous(), 4, g, False, g_idx=g_idx)
+        full = cw.dequantize()
+        for tp in (2, 3):  # 48 rows per rank (not a group boundary for rank 1), 32 rows (boundaries)
+            parts = []
+            for r in range(tp):
+                rows = slice(r * k // tp, (r + 1) * k // tp)
+                layer = SimpleNamespace(tp_mode="row", tp_size=tp, tp_rank=r, input_size=k // tp, prefix="x")
+                gi = None if cw.g_idx is None else cw.g_idx[rows]
+                part = shard_canonical(layer, cw.codes[rows], cw.scales, cw.zeros, gi, 4, g)
+                assert (part.g_idx is None) == (not act and (r * k // tp) % g == 0)
+                parts.append(part.dequantize())
+            assert torch.equal(torch.cat(parts), full)
 
 
 def test_group_boundary_error(tmp_path):
@@ -183,15 +212,94 @@ def test_awq_w8a8_tp2_matches_tp1(fmt, gptq_base, tmp_path):
     assert (lp1 - lp2).abs().max().item() < 1e-3
 
 
-def test_unsupported_quant_method_is_a_clear_error(gptq_base, tmp_path):
+def _ct_w4a16(act: bool):
     def encode(t):
-        return ref.encode_ct_packed(ref.rtn_quantize(t, 4, 32, False))
+        k = t.shape[1]
+        g_idx = (torch.randperm(k, generator=torch.Generator().manual_seed(k)) // 32).to(torch.int32) if act else None
+        return ref.encode_ct_packed(ref.rtn_quantize(t, 4, 32, False, g_idx=g_idx))
 
-    qcfg = _ct({"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32}, None, "pack-quantized")
-    out = _quant_checkpoint(gptq_base, str(tmp_path / "ct"), encode, qcfg)
-    with pytest.raises(ValueError, match="CTWNA16Method layers cannot be sharded yet"):
-        LLM(out, tensor_parallel_size=2, **KW)
+    weights = {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32,
+               **({"actorder": "group"} if act else {})}
+    return encode, _ct(weights, None, "pack-quantized")
+
+
+def _fp8_channel(t):
+    q, s = ref.quantize_fp8(t, per_channel=True)
+    return {"weight": q, "weight_scale": s.reshape(-1, 1).float()}
+
+
+def _fp8_block(t, b=16):
+    """128x128-style block scales, with 16x16 blocks so every tensor-parallel shard of the tiny model holds whole
+    blocks."""
+    n, k = t.shape
+    blocks = t.reshape(n // b, b, k // b, b)
+    s = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-8) / 448.0
+    q = (blocks / s[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(n, k)
+    return {"weight": q.contiguous(), "weight_scale_inv": s}
+
+
+_FP8 = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}
+MORE_FORMATS = {
+    "ct-w4a16": _ct_w4a16(False),
+    "ct-w4a16-actorder": _ct_w4a16(True),
+    "ct-fp8-channel": (_fp8_channel, _ct(_FP8, {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",
+                                                "dynamic": True}, "float-quantized")),
+    "fp8-block": (_fp8_block, {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}),
+    "fp8-tensor": (lambda t: (lambda q, s: {"weight": q, "weight_scale": s.float().max().reshape(1)})(
+        *ref.quantize_fp8(t, per_channel=False)), {"quant_method": "fp8", "activation_scheme": "dynamic"}),
+}
+
+
+@pytest.mark.parametrize("fmt", list(MORE_FORMATS))
+def test_ct_and_fp8_tp2_matches_tp1(fmt, gptq_base, tmp_path):
+    encode, qcfg = MORE_FORMATS[fmt]
+    d = _quant_checkpoint(gptq_base, str(tmp_path / "q"), encode, qcfg)
+    tok1, lp1 = _run(d, 1)
+    tok2, lp2 = _run(d, 2)
+    assert tok2 == tok1
+    assert (lp1 - lp2).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_quantize_on_load_tp2_matches_tp1(kind, gptq_base):
+    tok1, lp1 = _run(gptq_base, 1, quantization=kind)
+    tok2, lp2 = _run(gptq_base, 2, quantization=kind)
+    assert tok2 == tok1
+    assert (lp1 - lp2).abs().max().item() < 1e-3
+
+
+def test_fp8_block_shard_error(tmp_path):
+    base = build_tiny_model(str(tmp_path / "b"), "llama", tokenizer=False, intermediate_size=128)
+    encode, qcfg = (lambda t: _fp8_block(t, 32)), {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                                    "weight_block_size": [32, 32]}
+    d = _quant_checkpoint(base, str(tmp_path / "q"), encode, qcfg)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 leaves shard sizes \[16, 16\], which must be multiples of 32"):
+        LLM(d, tensor_parallel_size=2, **KW)
     assert not [p for p in __import__("multiprocessing").active_children() if p.name.startswith("lqe-tp")]
+
+
+def test_method_without_tp_support_is_a_clear_error(monkeypatch):
+    from lqe.layers import linear
+    from lqe.quant_layers.base import QuantConfig
+    from lqe.quant_layers.unquantized import UnquantizedLinearMethod
+
+    class NoTP(UnquantizedLinearMethod):
+        supports_tensor_parallel = False
+
+    class Cfg(QuantConfig):
+        name = "no-tp"
+
+        @classmethod
+        def from_hf_config(cls, cfg):
+            return cls()
+
+        def get_linear_method(self, layer, prefix):
+            return NoTP()
+
+    monkeypatch.setattr(linear, "get_tp_size", lambda: 2)
+    monkeypatch.setattr(linear, "get_tp_rank", lambda: 0)
+    with pytest.raises(ValueError, match="NoTP layers cannot be sharded for tensor_parallel_size=2"):
+        linear.RowParallelLinear(64, 64, False, Cfg(), "model.layers.0.mlp.down_proj", torch.float32)
 
 
 def test_server_with_tp2_matches_tp1(tmp_path):

@@ -22,9 +22,6 @@ from lqe.distributed.parallel_state import get_tp_rank, get_tp_size
 from lqe.quant_layers.base import LinearMethod, QuantConfig, empty_param
 from lqe.quant_layers.unquantized import UnquantizedLinearMethod
 
-# methods whose parameters all carry input_dim / output_dim (or are replicated scalars), so tp_slice can cut them
-_TP_METHODS = ("UnquantizedLinearMethod", "GPTQLinearMethod", "AWQLinearMethod", "W8A8Int8Method")
-
 
 class LinearBase(nn.Module):
     def __init__(
@@ -55,10 +52,9 @@ class LinearBase(nn.Module):
         self.shard_ids = list(shard_ids) if shard_ids is not None else list(range(len(output_sizes)))
         method = quant_config.get_linear_method(self, prefix) if quant_config is not None else None
         self.quant_method: LinearMethod = method if method is not None else UnquantizedLinearMethod()
-        if self.tp_mode is not None and type(self.quant_method).__name__ not in _TP_METHODS:
-            raise ValueError(f"{prefix}: tensor_parallel_size={self.tp_size} is supported for float, GPTQ, AWQ and "
-                             f"W8A8 int8 layers; "
-                             f"{type(self.quant_method).__name__} layers cannot be sharded yet (use tensor_parallel_size=1)")
+        if self.tp_mode is not None and not self.quant_method.supports_tensor_parallel:
+            raise ValueError(f"{prefix}: {type(self.quant_method).__name__} layers cannot be sharded for "
+                             f"tensor_parallel_size={self.tp_size} yet (use tensor_parallel_size=1)")
         self.quant_method.create_weights(self, input_size, self.output_sizes, params_dtype)
         if bias:
             self.register_parameter("bias", empty_param((self.output_size,), params_dtype, output_dim=0))
@@ -95,9 +91,7 @@ class LinearBase(nn.Module):
             raise ValueError(f"tensor {self.prefix}.{name}: dim {dim} of size {full} cannot be split into {n} equal "
                              f"tensor-parallel shards; use a tensor_parallel_size that divides it")
         size = full // n
-        out = loaded.narrow(dim, idx * size, size)
-        transform = getattr(param, "tp_transform", None)
-        return transform(self, out, idx) if transform is not None and self.tp_mode == "row" else out
+        return loaded.narrow(dim, idx * size, size)
 
     def load_weight(self, name: str, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None) -> None:
         if self.tp_mode is not None:

@@ -14,7 +14,7 @@ from lqe.quant_layers.canonical import CanonicalWeight, build_canonical
 from lqe.quant_layers.checks import config_number
 from lqe.quant_layers.loading import FLOAT_DTYPES, add_param, is_loaded, require_loaded
 from lqe.quant_layers.prefixes import is_lm_head, resolve_shards
-from lqe.quant_layers.weight_only import WeightOnlyMethod, group_label
+from lqe.quant_layers.weight_only import WeightOnlyMethod, check_row_groups, group_label
 
 
 def _first(cfg: dict[str, Any], *keys: str) -> Any:
@@ -75,11 +75,7 @@ class AWQLinearMethod(WeightOnlyMethod):
             raise ValueError(f"{layer.prefix} (AWQ): output sizes {bad} must be multiples of 8 (8 columns per packed word)")
         k, n = input_size, sum(output_sizes)
         g = ref.num_groups(k, self.cfg.group_size)
-        if getattr(layer, "tp_mode", None) == "row" and self.cfg.group_size != -1 and k % self.cfg.group_size:
-            raise ValueError(
-                f"{layer.prefix} (AWQ): tensor_parallel_size={layer.tp_size} splits K={k * layer.tp_size} into shards of "
-                f"{k} rows, which do not start on group_size={self.cfg.group_size} boundaries; use a tensor_parallel_size "
-                f"for which K / N is a multiple of {self.cfg.group_size}")
+        check_row_groups(layer, self.cfg.group_size, f"{layer.prefix} (AWQ)", act_order=False)
         psize = lambda size: size // 8  # noqa: E731
         # input_dim: the dim a row-parallel (tensor-parallel) shard splits
         add_param(layer, "qweight", empty_param((k, n // 8), torch.int32, output_dim=1, packed_dim=1, pack_factor=8, input_dim=0),

@@ -22,6 +22,10 @@ from torch import nn
 
 
 class LinearMethod(ABC):
+    # every parameter carries ``output_dim`` / ``input_dim`` (or is replicated), so LinearBase.tp_slice can cut
+    # each checkpoint tensor for a tensor-parallel rank; a method that cannot be sharded leaves this False
+    supports_tensor_parallel: ClassVar[bool] = False
+
     @abstractmethod
     def create_weights(
         self, layer: nn.Module, input_size: int, output_sizes: list[int], params_dtype: torch.dtype

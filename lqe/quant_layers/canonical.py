@@ -61,11 +61,14 @@ def build_canonical(
     g_idx: torch.Tensor | None,
     bits: int,
     group_size: int,
+    num_groups: int | None = None,
 ) -> CanonicalWeight:
     """A validated CanonicalWeight: ``scales``/``zeros`` must have ``ceil(K/g)`` rows (1 for ``group_size=-1``),
-    and a trivial ``g_idx`` (``k // g``) is dropped so kernels see act-order only when it is real."""
+    or ``num_groups`` rows when given (a tensor-parallel shard of an act-order layer: its rows read groups of the
+    whole K through ``g_idx``), and a trivial ``g_idx`` (``k // g``) is dropped so kernels see act-order only when
+    it is real."""
     k, n = int(codes.shape[0]), int(codes.shape[1])
-    g = 1 if group_size == -1 else -(-k // group_size)
+    g = num_groups if num_groups is not None else (1 if group_size == -1 else -(-k // group_size))
     if tuple(scales.shape) != (g, n):
         raise ValueError(f"scales: expected shape {(g, n)} (ceil(K/g) groups for K={k}, group_size={group_size}), "
                          f"found {tuple(scales.shape)}")

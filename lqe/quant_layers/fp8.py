@@ -27,6 +27,8 @@ CHUNK_ELEMS = 1 << 23
 
 
 class FP8Method(LinearMethod):
+    supports_tensor_parallel = True
+
     def __init__(self, scheme: CTScheme) -> None:
         self.s = scheme
         self.summary = ""
@@ -40,12 +42,18 @@ class FP8Method(LinearMethod):
             add_param(layer, "weight_scale", empty_param((n, 1), torch.float32, output_dim=0), FLOAT_DTYPES)
         elif strategy == "block":
             bh, bw = self.block
-            bad = [s for s in output_sizes[:-1] if s % bh]
+            tp = getattr(layer, "tp_mode", None)
+            # a tensor-parallel shard must hold whole scale blocks: every output shard on a column-parallel layer
+            bad = [s for s in (output_sizes if tp == "column" else output_sizes[:-1]) if s % bh]
             if bad:
-                raise ValueError(f"{layer.prefix} (fp8 block {bh}x{bw}): fused shard sizes {bad} must be multiples of {bh}")
+                why = f"tensor_parallel_size={layer.tp_size} leaves" if tp == "column" else "fused"
+                raise ValueError(f"{layer.prefix} (fp8 block {bh}x{bw}): {why} shard sizes {bad}, which must be multiples of {bh}")
+            if tp == "row" and k % bw:
+                raise ValueError(f"{layer.prefix} (fp8 block {bh}x{bw}): tensor_parallel_size={layer.tp_size} splits K into "
+                                 f"shards of {k}, which must be a multiple of the block width {bw}")
             rows = lambda size: -(-size // bh)  # noqa: E731
             add_param(layer, "weight_scale", empty_param((sum(rows(s) for s in output_sizes), -(-k // bw)), torch.float32,
-                                                         output_dim=0, packed_dim=0), FLOAT_DTYPES, packed_size=rows)
+                                                         output_dim=0, packed_dim=0, input_dim=1), FLOAT_DTYPES, packed_size=rows)
         else:
             add_param(layer, "weight_scale", empty_param((shards,), torch.float32), FLOAT_DTYPES, mode="per_shard")
         a = self.s.input_activations

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from lqe.distributed.comm import tp_all_reduce_op
 from lqe.quant_layers import reference as ref
 from lqe.quant_layers.base import LinearMethod, QuantConfig
 from lqe.quant_layers.ct_scheme import CTScheme, QArgs
@@ -136,26 +137,29 @@ class _OnlineMixin:
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int], params_dtype: torch.dtype) -> None:
         UnquantizedLinearMethod().create_weights(layer, input_size, output_sizes, params_dtype)
 
-    def _quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _quantize(self, w: torch.Tensor, absmax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         w = layer.weight.data
         if torch.isnan(w).any():
             raise ValueError(f"tensor {layer.prefix}.weight is missing from the checkpoint (quantize-on-load)")
-        q, scale = self._quantize(w)
+        absmax = None
+        if getattr(layer, "tp_mode", None) == "row":  # each rank holds part of every row: scale by the whole row
+            absmax = tp_all_reduce_op(w.float().abs().amax(dim=1, keepdim=True).contiguous(), "max")
+        q, scale = self._quantize(w, absmax)
         _swap_in_quantized(layer, q.to(w.device), scale.to(w.device))
         super().process_weights_after_loading(layer)  # type: ignore[misc]
 
 
 class OnlineFP8Method(_OnlineMixin, FP8Method):
-    def _quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return ref.quantize_fp8(w, per_channel=True)
+    def _quantize(self, w: torch.Tensor, absmax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return ref.quantize_fp8(w, per_channel=True, absmax=absmax)
 
 
 class OnlineInt8Method(_OnlineMixin, W8A8Int8Method):
-    def _quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return ref.quantize_int8_per_channel(w)
+    def _quantize(self, w: torch.Tensor, absmax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return ref.quantize_int8_per_channel(w, absmax)
 
 
 def log_online(kind: str) -> None:

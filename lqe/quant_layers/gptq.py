@@ -15,11 +15,12 @@ from torch import nn
 
 from lqe.quant_layers import reference as ref
 from lqe.quant_layers.base import LinearMethod, QuantConfig, empty_param
-from lqe.quant_layers.canonical import CanonicalWeight, build_canonical
+from lqe.quant_layers.canonical import CanonicalWeight
 from lqe.quant_layers.checks import config_number
 from lqe.quant_layers.gptq_rules import NO_MATCH, SKIP, DynamicRule, dynamic_for_layer, layer_quantized, parse_dynamic
 from lqe.quant_layers.loading import FLOAT_DTYPES, add_param, is_loaded, require_loaded
-from lqe.quant_layers.weight_only import QuantWarning, WeightOnlyMethod, group_label, warn
+from lqe.quant_layers.weight_only import (QuantWarning, WeightOnlyMethod, check_row_groups, group_label, group_rows,
+                                          replicated_groups, shard_canonical, warn)
 
 
 @dataclass(slots=True)
@@ -89,22 +90,6 @@ class GPTQConfig(QuantConfig):
         return None if params is None else GPTQLinearMethod(params)
 
 
-def _shard_g_idx(layer: nn.Module, g_idx, rank: int) -> torch.Tensor:
-    """A row-parallel shard's ``g_idx``, renumbered to the shard's own groups. An act-order ``g_idx`` (rows that
-    use groups of other shards) cannot be split: that is an error naming the layer, not a wrong answer."""
-    g_idx = g_idx if isinstance(g_idx, torch.Tensor) else g_idx.materialize()
-    method = layer.quant_method
-    k, gs = layer.input_size, method.p.group_size
-    groups = 1 if gs == -1 else k // gs
-    local = g_idx.to(torch.int64) - (0 if gs == -1 else rank * groups)
-    if len(local) and (int(local.min()) < 0 or int(local.max()) >= groups):
-        raise ValueError(
-            f"{layer.prefix}: act-order GPTQ (a g_idx that permutes the rows across groups) is not supported on "
-            f"row-parallel layers with tensor_parallel_size={layer.tp_size}; use tensor_parallel_size=1 or a "
-            "checkpoint quantized without desc_act")
-    return local.to(g_idx.dtype)
-
-
 class GPTQLinearMethod(WeightOnlyMethod):
     CHECKPOINT_PARAMS = ("qweight", "qzeros", "scales", "g_idx")
 
@@ -121,20 +106,19 @@ class GPTQLinearMethod(WeightOnlyMethod):
         bad = [s for s in output_sizes if s % block]
         if bad:
             raise ValueError(f"{where}: output sizes {bad} must be multiples of {block} to pack qzeros along N")
-        g = ref.num_groups(k, self.p.group_size)
+        gs = self.p.group_size
+        check_row_groups(layer, gs, where, self.p.desc_act)
+        g = group_rows(layer, gs)
+        # input_dim: the dim a row-parallel shard splits; absent on group parameters replicated over the ranks
+        split = {} if replicated_groups(layer, gs) else {"input_dim": 0}
         psize = lambda size: ref.packed_size(size, b)  # noqa: E731
-        if getattr(layer, "tp_mode", None) == "row" and self.p.group_size != -1 and k % self.p.group_size:
-            raise ValueError(
-                f"{where}: tensor_parallel_size={layer.tp_size} splits K={k * layer.tp_size} into shards of {k} rows, "
-                f"which do not start on group_size={self.p.group_size} boundaries; use a tensor_parallel_size for "
-                f"which K / N is a multiple of {self.p.group_size}")
         add_param(layer, "qweight", empty_param((psize(k), n), torch.int32, output_dim=1, packed_dim=0, input_dim=0), (torch.int32,))
         add_param(layer, "qzeros", empty_param((g, psize(n)), torch.int32, output_dim=1, packed_dim=1, pack_factor=32 // b if b != 3 else 1,
-                                               input_dim=0), (torch.int32,), packed_size=psize)
+                                               **split), (torch.int32,), packed_size=psize)
         layer.qzeros.optional = self.p.sym  # sym ignores stored zeros: exporters may leave them out
-        add_param(layer, "scales", empty_param((g, n), torch.float32, output_dim=1, input_dim=0), FLOAT_DTYPES)
-        add_param(layer, "g_idx", empty_param((k,), torch.int32, input_dim=0, tp_transform=_shard_g_idx),
-                  (torch.int32, torch.int64), mode="shared")
+        add_param(layer, "scales", empty_param((g, n), torch.float32, output_dim=1, **split), FLOAT_DTYPES)
+        # a row-parallel shard keeps global group ids (see shard_canonical)
+        add_param(layer, "g_idx", empty_param((k,), torch.int32, input_dim=0), (torch.int32, torch.int64), mode="shared")
 
     def decode(self, layer: nn.Module) -> tuple[CanonicalWeight, str]:
         p = self.p
@@ -142,7 +126,7 @@ class GPTQLinearMethod(WeightOnlyMethod):
         k, n = layer.input_size, layer.output_size
         g = ref.num_groups(k, p.group_size)
         g_idx = layer.g_idx.data if is_loaded(layer, "g_idx") else None
-        if g_idx is not None and (int(g_idx.min()) < 0 or int(g_idx.max()) >= g):
+        if g_idx is not None and not replicated_groups(layer, p.group_size) and (int(g_idx.min()) < 0 or int(g_idx.max()) >= g):
             raise ValueError(f"tensor {layer.prefix}.g_idx: group ids must lie in [0, {g}) for K={k}, group_size={p.group_size}; "
                              f"found [{int(g_idx.min())}, {int(g_idx.max())}]")
         stored = ref.unpack_gptq_qzeros(layer.qzeros.data, p.bits, n) if is_loaded(layer, "qzeros") else None
@@ -150,7 +134,7 @@ class GPTQLinearMethod(WeightOnlyMethod):
             self._check_zeros(layer.prefix, stored)
         zeros = None if p.sym else ref.gptq_true_zeros(stored, p.bits, p.fmt)
         codes = ref.unpack_gptq_qweight(layer.qweight.data, p.bits, k)
-        cw = build_canonical(codes, layer.scales.data, zeros, g_idx, p.bits, p.group_size)
+        cw = shard_canonical(layer, codes, layer.scales.data, zeros, g_idx, p.bits, p.group_size)
         zp = "sym" if p.sym else f"asym {p.fmt}"
         return cw, f"gptq {p.bits}-bit {group_label(p.group_size)} {zp}"
 

@@ -9,6 +9,8 @@ from lqe.quant_layers.base import LinearMethod, empty_param
 
 
 class UnquantizedLinearMethod(LinearMethod):
+    supports_tensor_parallel = True
+
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int], params_dtype: torch.dtype) -> None:
         layer.register_parameter("weight", empty_param((sum(output_sizes), input_size), params_dtype, output_dim=0, input_dim=1))
 

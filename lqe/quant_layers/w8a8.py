@@ -88,6 +88,8 @@ def _per_token_quant_tp(x: torch.Tensor, symmetric: bool):
 
 
 class W8A8Int8Method(LinearMethod):
+    supports_tensor_parallel = True
+
     def __init__(self, scheme: CTScheme) -> None:
         self.s = scheme
         self.summary = ""

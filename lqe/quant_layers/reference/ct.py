@@ -99,20 +99,25 @@ def dequant_fp8(weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[i
     return weight.float() * expand_scale(weight_scale, n, k, block)
 
 
-def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per output channel, compressed-tensors math (``scale = absmax / 127.5``).
+def quantize_int8_per_channel(weight: torch.Tensor, absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output channel, compressed-tensors math (``scale = absmax / 127.5``); ``absmax [N, 1]``
+    overrides the rows' own (a tensor-parallel shard of K uses its whole row's).
 
     Returns ``(int8 [N, K], float32 scale [N, 1])``."""
-    absmax = weight.float().abs().amax(dim=1, keepdim=True)
+    absmax = weight.float().abs().amax(dim=1, keepdim=True) if absmax is None else absmax.float()
     scale = torch.where(absmax > 0, absmax / 127.5, torch.ones_like(absmax))
     q = torch.round(weight.float() / scale).clamp(-128, 127).to(torch.int8)
     return q, scale
 
 
-def quantize_fp8(weight: torch.Tensor, per_channel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 e4m3 with ``scale = absmax / 448`` per channel (``[N, 1]``) or per tensor (``[1]``)."""
+def quantize_fp8(weight: torch.Tensor, per_channel: bool = True,
+                 absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 e4m3 with ``scale = absmax / 448`` per channel (``[N, 1]``) or per tensor (``[1]``); ``absmax``
+    overrides the weight's own (a tensor-parallel shard of K uses its whole rows')."""
     w = weight.float()
-    absmax = w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().amax().reshape(1)
+    if absmax is None:
+        absmax = w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().amax().reshape(1)
+    absmax = absmax.float()
     scale = torch.where(absmax > 0, absmax / FP8_E4M3_MAX, torch.ones_like(absmax))
     s = scale if per_channel else scale.reshape(1, 1)
     q = (w / s).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
