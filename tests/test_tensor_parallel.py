@@ -337,3 +337,78 @@ def test_server_with_tp2_matches_tp1(tmp_path):
     while any(p.is_alive() for p in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(p.is_alive() for p in workers)
+
+
+def test_tp1_runs_no_distributed_code(gptq_base, monkeypatch):
+    """tensor_parallel_size=1 (the default) never touches torch.distributed: no group, no collective, no broadcast;
+    the one-rank engine is the same code path as before tensor parallelism existed."""
+    import torch.distributed as dist
+
+    def forbidden(*a, **k):
+        raise AssertionError("torch.distributed was called with tensor_parallel_size=1")
+
+    for name in ("init_process_group", "all_reduce", "all_gather", "all_gather_into_tensor", "broadcast",
+                 "broadcast_object_list", "barrier"):
+        monkeypatch.setattr(dist, name, forbidden)
+    d = _gptq_checkpoint(gptq_base, os.path.join(os.path.dirname(gptq_base), "tp1-act"), False, act=True)
+    tokens, _ = _run(d, 1)
+    assert all(len(t) == 6 for t in tokens)
+    assert not dist.is_initialized()
+
+
+_CTRL_C_SCRIPT = r"""
+import sys, time
+from lqe import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], tensor_parallel_size=2, kv_cache_memory_bytes=8 << 20, max_model_len=128)
+    print("PIDS", " ".join(str(p.pid) for p in llm.llm_engine.tp.procs), flush=True)
+    while True:
+        llm.generate([[1, 5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+"""
+
+
+def test_ctrl_c_stops_every_rank(tmp_path):
+    """SIGINT to the process group (what a terminal's Ctrl-C sends) while rank 0 is generating: the driver and
+    every worker exit, no orphan is left."""
+    import subprocess
+    import sys
+
+    d = build_tiny_model(str(tmp_path / "m"), "llama", tokenizer=False)
+    script = tmp_path / "run.py"
+    script.write_text(_CTRL_C_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.Popen([sys.executable, str(script), d], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    try:
+        pids = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if line.startswith("PIDS"):
+                pids = [int(x) for x in line.split()[1:]]
+                break
+            if not line and proc.poll() is not None:
+                break
+        assert pids, f"the driver never started its workers: {proc.stderr.read()[-2000:]}"
+        time.sleep(1.0)  # inside generate
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+
+        def alive(pid: int) -> bool:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            try:  # a zombie (exited, not yet reaped by its dead parent) counts as gone
+                with open(f"/proc/{pid}/stat") as f:
+                    return f.read().split(")")[-1].split()[0] != "Z"
+            except FileNotFoundError:
+                return False
+
+        deadline = time.monotonic() + 20
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in pids if alive(p)], "a worker outlived Ctrl-C"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
