@@ -5,17 +5,8 @@ import argparse
 import logging
 import sys
 
+from lqe.entrypoints.help_format import HelpFormatter
 from lqe.loaders.model_source import DEMO_MODEL
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends ``(default: X)`` to a flag's help unless it has no meaningful default or already names it."""
-
-    def _get_help_string(self, action):
-        if (action.default is None or action.default is False or action.default == argparse.SUPPRESS
-                or not action.option_strings or action.nargs == 0 or "default" in (action.help or "")):
-            return action.help
-        return super()._get_help_string(action)
 
 
 def _positive_int(text: str) -> int:
@@ -130,7 +121,7 @@ def cmd_chat(args) -> int:
         history.append({"role": "assistant", "content": shown})
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lqe", description="Inference engine for quantized LLMs",
                                      formatter_class=HelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine start-up details")
@@ -144,14 +135,18 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("chat", help="interactive streaming chat", formatter_class=HelpFormatter)
     _engine_args(c)
     _sampling_args(c)
-    c.add_argument("--system", default=None, help="system prompt")
+    c.add_argument("--system", default=None, help="system prompt (default: none)")
     c.set_defaults(func=cmd_chat)
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=HelpFormatter)
     from lqe.entrypoints.openai_server import add_serve_args, run_server
 
     add_serve_args(s)
     s.set_defaults(func=run_server)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.getLogger("lqe").setLevel(logging.INFO if args.verbose else logging.WARNING)
     try:
         rc = args.func(args)

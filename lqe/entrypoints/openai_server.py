@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lqe.entrypoints.async_engine import AsyncEngine
+from lqe.entrypoints.help_format import HelpFormatter
 from lqe.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from lqe.entrypoints.serving import OpenAIServing
 from lqe.entrypoints.validation import APIError, ServingLimits, error_response
@@ -158,35 +159,43 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("model", nargs="?", default=None,
                         help="local model directory, 'smollm2-135m-instruct', or a hub id (or use --model)")
     parser.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
-                        help="the same as the positional MODEL (vLLM's spelling)")
+                        help="the same as the positional MODEL (vLLM's spelling; default: the positional one)")
     parser.add_argument("--quantization", "-q", default=None, help="quantization method (default: from the checkpoint)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $LQE_API_KEY)")
     parser.add_argument("--served-model-name", default=None, help="model name clients must send (default: MODEL)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                        help="activation dtype; auto = fp32 on CPU, the checkpoint's fp16/bf16 on GPU")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda when available")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="most sequences decoded together (default 64)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="most tokens in one step, prefill chunks included (default 2048)")
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="exact KV-cache block count, overriding the memory budgets (default: from the budget)")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                        help="KV-cache budget in bytes (default: 1 GiB on CPU, --gpu-memory-utilization on GPU)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="fraction of GPU memory lqe may use, weights + KV cache (default 0.85)")
     parser.add_argument("--block-size", type=int, default=None, help="KV-cache block size in tokens (default 16)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                         help="reuse the KV blocks of shared prompt prefixes (default: on)")
     parser.add_argument("--kv-cache-dtype", type=_kv_cache_dtype, default="auto",
                         help="only 'auto' (the model's dtype) is supported")
-    parser.add_argument("--tokenizer", default=None)
-    parser.add_argument("--revision", default=None, help="hub revision of the model")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
+    parser.add_argument("--revision", default=None, help="hub revision of the model (default: the latest)")
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None,
+                        help="engine seed for requests without their own (default 0)")
     parser.add_argument("--enforce-eager", action="store_true", default=None,
                         help="CUDA: run every step eagerly (no decode CUDA graphs)")
     parser.add_argument("--max-cudagraph-batch", type=int, default=None,
                         help="largest decode batch replayed from a CUDA graph (default 256)")
-    parser.add_argument("--trust-remote-code", action="store_true", default=None)
+    parser.add_argument("--trust-remote-code", action="store_true", default=None,
+                        help="let transformers run code shipped with the model's config/tokenizer (default: off)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                         help="shard the model over N worker processes / GPUs (default 1)")
     parser.add_argument("--allow-nonfinite-weights", action="store_true", default=None,
@@ -199,7 +208,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--shutdown-grace-period", type=float, default=30.0,
                         help="on SIGTERM / Ctrl-C, let in-flight requests finish for this many seconds, then "
                              "abort the rest (default 30)")
-    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                        help="server log level")
     return parser
 
 
@@ -287,7 +297,8 @@ def run_server(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="lqe serve", description="OpenAI-compatible server for an lqe model")
+    parser = argparse.ArgumentParser(prog="lqe serve", description="OpenAI-compatible server for an lqe model",
+                                     formatter_class=HelpFormatter)
     args = add_serve_args(parser).parse_args(argv)
     try:
         run_server(args)
