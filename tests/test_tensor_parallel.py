@@ -33,6 +33,13 @@ def _run(model_dir: str, tp: int, **kw) -> tuple[list[list[int]], torch.Tensor]:
         llm.llm_engine.shutdown()
 
 
+def _assert_tp2_matches_tp1(model_dir: str, **kw) -> None:
+    tok1, lp1 = _run(model_dir, 1, **kw)
+    tok2, lp2 = _run(model_dir, 2, **kw)
+    assert tok2 == tok1
+    assert (lp1 - lp2).abs().max().item() < 1e-3
+
+
 def _workers(llm: LLM) -> list:
     return list(llm.llm_engine.tp.procs)
 
@@ -105,22 +112,14 @@ def gptq_base(tmp_path_factory):
 
 @pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
 def test_gptq_tp2_matches_tp1(sym, gptq_base, tmp_path):
-    d = _gptq_checkpoint(gptq_base, str(tmp_path / "q"), sym, act=False)
-    tok1, lp1 = _run(d, 1)
-    tok2, lp2 = _run(d, 2)
-    assert tok2 == tok1
-    assert (lp1 - lp2).abs().max().item() < 1e-3
+    _assert_tp2_matches_tp1(_gptq_checkpoint(gptq_base, str(tmp_path / "q"), sym, act=False))
 
 
 @pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
 def test_gptq_act_order_tp2_matches_tp1(sym, gptq_base, tmp_path):
     """Act-order rows read groups anywhere in K: a row-parallel rank loads every group's scales / zeros and keeps
     global group ids (vLLM's rule), so o_proj / down_proj give the same partial sums."""
-    d = _gptq_checkpoint(gptq_base, str(tmp_path / "q"), sym, act=True)
-    tok1, lp1 = _run(d, 1)
-    tok2, lp2 = _run(d, 2)
-    assert tok2 == tok1
-    assert (lp1 - lp2).abs().max().item() < 1e-3
+    _assert_tp2_matches_tp1(_gptq_checkpoint(gptq_base, str(tmp_path / "q"), sym, act=True))
 
 
 def test_shard_canonical_act_order_and_plain_rows():
@@ -201,15 +200,6 @@ def test_shutdown_stops_workers(tmp_path):
     assert all(p.exitcode == 0 for p in procs)  # a clean stop, not a kill
 
 
-@pytest.mark.parametrize("fmt", list(OTHER_FORMATS))
-def test_awq_w8a8_tp2_matches_tp1(fmt, gptq_base, tmp_path):
-    encode, qcfg = OTHER_FORMATS[fmt]
-    d = _quant_checkpoint(gptq_base, str(tmp_path / "q"), encode, qcfg)
-    tok1, lp1 = _run(d, 1)
-    tok2, lp2 = _run(d, 2)
-    assert tok2 == tok1
-    # dynamic per-token int8 activations of row-parallel layers use the whole row's range (all-reduced min/max)
-    assert (lp1 - lp2).abs().max().item() < 1e-3
 
 
 def _ct_w4a16(act: bool):
@@ -250,22 +240,16 @@ MORE_FORMATS = {
 }
 
 
-@pytest.mark.parametrize("fmt", list(MORE_FORMATS))
-def test_ct_and_fp8_tp2_matches_tp1(fmt, gptq_base, tmp_path):
-    encode, qcfg = MORE_FORMATS[fmt]
-    d = _quant_checkpoint(gptq_base, str(tmp_path / "q"), encode, qcfg)
-    tok1, lp1 = _run(d, 1)
-    tok2, lp2 = _run(d, 2)
-    assert tok2 == tok1
-    assert (lp1 - lp2).abs().max().item() < 1e-3
+@pytest.mark.parametrize("fmt", list(OTHER_FORMATS) + list(MORE_FORMATS))
+def test_other_formats_tp2_matches_tp1(fmt, gptq_base, tmp_path):
+    # dynamic per-token int8 activations of row-parallel layers use the whole row's range (all-reduced min/max)
+    encode, qcfg = {**OTHER_FORMATS, **MORE_FORMATS}[fmt]
+    _assert_tp2_matches_tp1(_quant_checkpoint(gptq_base, str(tmp_path / "q"), encode, qcfg))
 
 
 @pytest.mark.parametrize("kind", ["fp8", "int8"])
 def test_quantize_on_load_tp2_matches_tp1(kind, gptq_base):
-    tok1, lp1 = _run(gptq_base, 1, quantization=kind)
-    tok2, lp2 = _run(gptq_base, 2, quantization=kind)
-    assert tok2 == tok1
-    assert (lp1 - lp2).abs().max().item() < 1e-3
+    _assert_tp2_matches_tp1(gptq_base, quantization=kind)
 
 
 def test_fp8_block_shard_error(tmp_path):
