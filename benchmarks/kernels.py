@@ -1,6 +1,9 @@
 """GEMM kernel benchmark on Llama-3-8B layer shapes: lqe W4A16 / W8A8 / FP8 against cuBLAS bf16,
 torch._weight_int4pack_mm, torch._int_mm and torch._scaled_mm, with device-to-device copy bandwidth as the
-memory roofline. Weights are rotated over enough copies to exceed the L2 cache.
+memory roofline. Weights are rotated over enough copies to exceed the L2 cache. Two more columns show what a
+model pays per layer with the op producing its input (RMSNorm, or SiLU-mul for down_proj): cuBLAS bf16 after the
+float op, W8A8 after the float op and a separate per-token quantization, and W8A8 after the op fused with the
+quantization (lqe/kernels/fused_quant.py).
 
     python benchmarks/kernels.py [--m 1 16 128] [--shapes 4096x4096] [--out results.json]
 """
@@ -68,7 +71,8 @@ def copy_bandwidth() -> float:
 
 
 def candidates(k: int, n: int):
-    """``name -> (setup(m) -> fn, weight_bytes)`` for every kernel that can run here, plus skip notes."""
+    """``name -> (setup(x) -> fn, weight_bytes[, {column: setup(x) -> fn}])`` for every kernel that can run here,
+    plus skip notes; the optional third element times the model columns (:func:`add_model_columns`)."""
     import lqe.kernels as lk
     from lqe.kernels import w8a8
     from lqe.quant_layers.canonical import CanonicalWeight
@@ -117,7 +121,7 @@ def candidates(k: int, n: int):
     wi8 = rotating(lambda: torch.randint(-127, 128, (n, k), dtype=torch.int8, device=dev).t(), k * n)
     out["torch-int-mm"] = (lambda x: (lambda xq=torch.randint(-127, 128, x.shape, dtype=torch.int8, device=dev),
                                              c=cycler(wi8): lambda: torch._int_mm(xq, c()))(), k * n)
-    add_w8a8_candidates(out, k, n, wi8)
+    add_model_columns(out, k, n, ws, add_w8a8_candidates(out, k, n, wi8))
     if w8a8.fp8_supported() is None:
         f8 = rotating(lambda: w8a8.fp8_quantize_weight(torch.randn(k, n, device=dev) * 0.02), k * n)
 
@@ -190,17 +194,18 @@ def wna16_sweep(shapes: list[str], ms: list[int]) -> list[dict]:
     return rows
 
 
-def add_w8a8_candidates(out: dict, k: int, n: int, wi8: list) -> None:
+def add_w8a8_candidates(out: dict, k: int, n: int, wi8: list) -> list | None:
     """W8A8 int8 rows on the checkpoint layout (int8 [N, K], the same rotating weights as torch-int-mm):
     triton-w8a8 (table config), int-mm+epilogue (cuBLASLt + Triton epilogue), and w8a8-table+quant: the per-token
-    quantization plus the kernel W8A8_TABLE picks for M, i.e. what a model's layer pays."""
+    quantization plus the kernel W8A8_TABLE picks for M, i.e. what a model's layer pays. Returns the table's
+    plans of the rotating weights (None when none)."""
     from lqe.kernels import w8a8
 
     try:
         from lqe.kernels import triton_w8a8 as tw
     except Exception as e:  # noqa: BLE001
         print(f"# triton-w8a8 skipped: {type(e).__name__}: {str(e)[:120]}")
-        return
+        return None
     dev = "cuda"
     ws = torch.rand(n, device=dev) * 0.01
     tw.reserve_workspace(dev, tw.workspace_rows(), n)
@@ -216,9 +221,54 @@ def add_w8a8_candidates(out: dict, k: int, n: int, wi8: list) -> None:
     out["triton-w8a8"] = (setup, k * n)
     out["int-mm+epilogue"] = ((lambda x: setup(x, "int-mm")), k * n)
     plans = [w8a8.plan_w8a8(w.t(), ws, torch.bfloat16, False)[0] for w in wi8]
-    if plans[0] is not None:
-        out["w8a8-table+quant"] = ((lambda x: (lambda c=cycler(plans): lambda: w8a8.w8a8_apply(
-            *w8a8.quantize_per_token_any(x)[:2], c(), out_dtype=torch.bfloat16))()), k * n)
+    if plans[0] is None:
+        return None
+    out["w8a8-table+quant"] = ((lambda x: (lambda c=cycler(plans): lambda: w8a8.w8a8_apply(
+        *w8a8.quantize_per_token_any(x)[:2], c(), out_dtype=torch.bfloat16))()), k * n)
+    return plans
+
+
+def producer_of(k: int, n: int) -> str:
+    """The op that produces a ``K x N`` layer's input in a Llama block: SiLU-mul for down_proj (K > N), RMSNorm for
+    the others (qkv and gate_up; o_proj's input really is the attention output, its row shows the norm anyway)."""
+    return "silu" if k > n else "rmsnorm"
+
+
+def add_model_columns(out: dict, k: int, n: int, ws_bf16: list, plans: list | None) -> None:
+    """Columns with what a model pays per layer, the op producing its input included (:func:`producer_of`):
+    ``model_us`` on cublas-bf16 (producer + matmul) and on w8a8-table+quant (producer, separate per-token
+    quantization, table GEMM), and ``model_fused_us`` on w8a8-table+quant (the producer fused with the
+    quantization, lqe/kernels/fused_quant.py, then the table GEMM)."""
+    from lqe.kernels import fused_ops as fo
+    from lqe.kernels import fused_quant as fq
+    from lqe.kernels import w8a8
+
+    if plans is None or not fq.HAS_TRITON:
+        return
+    producer = producer_of(k, n)
+
+    def ops(x):
+        """(float producer, fused producer -> (q, scale)) on inputs shaped for ``x [M, K]``."""
+        if producer == "silu":
+            a = torch.randn(x.shape[0], 2 * k, device=x.device, dtype=x.dtype)
+            return (lambda: fo.silu_and_mul(a)), (lambda: fq.silu_mul_quant_int8(a))
+        r, w = torch.randn_like(x), torch.rand(k, device=x.device, dtype=x.dtype) + 0.5
+        return (lambda: fo.rms_norm(x, w, 1e-6, r)[0]), (lambda: fq.rms_norm_quant_int8(x, w, 1e-6, r)[:2])
+
+    def bf16(x):
+        f, c = ops(x)[0], cycler(ws_bf16)
+        return lambda: torch.matmul(f(), c())
+
+    def unfused(x):
+        f, c = ops(x)[0], cycler(plans)
+        return lambda: w8a8.w8a8_apply(*w8a8.quantize_per_token_any(f())[:2], c(), out_dtype=torch.bfloat16)
+
+    def fused(x):
+        f, c = ops(x)[1], cycler(plans)
+        return lambda: w8a8.w8a8_apply(*f(), c(), out_dtype=torch.bfloat16)
+
+    out["cublas-bf16"] = (*out["cublas-bf16"][:2], {"model_us": bf16})
+    out["w8a8-table+quant"] = (*out["w8a8-table+quant"][:2], {"model_us": unfused, "model_fused_us": fused})
 
 
 def w8a8_sweep(shapes: list[str], ms: list[int], copy_gbps: float) -> list[dict]:
@@ -317,29 +367,44 @@ def main(argv=None) -> int:
     if args.wna16_sweep:
         rows += wna16_sweep(args.shapes, args.m)
         args.shapes = []
-    hdr = f"{'kernel':26s} {'KxN':>11s} {'M':>5s} {'us':>9s} {'TFLOP/s':>8s} {'GB/s':>7s} {'%copy':>6s} {'vs cuBLAS':>9s}"
+    hdr = (f"{'kernel':26s} {'KxN':>11s} {'M':>5s} {'us':>9s} {'TFLOP/s':>8s} {'GB/s':>7s} {'%copy':>6s} {'vs cuBLAS':>9s}"
+           f"  | model: producer+layer us (vs bf16), fused producer->int8 us (vs bf16)")
     for shape in args.shapes:
         k, n = map(int, shape.split("x"))
         cands = candidates(k, n)
+        print(f"# {shape}: model columns include {producer_of(k, n)}")
         print(hdr)
         for m in args.m:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            base = None
-            for name, (setup, wbytes) in cands.items():
+            base = base_model = None
+            for name, (setup, wbytes, *rest) in cands.items():
                 try:
                     us = bench(setup(x))
                 except Exception as e:  # noqa: BLE001
                     print(f"# {name} {shape} M={m} failed: {type(e).__name__}: {str(e)[:160]}")
                     continue
+                extra = {}
+                for col, make in (rest[0] if rest else {}).items():
+                    try:
+                        extra[col] = round(bench(make(x)), 2)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"# {name} {col} {shape} M={m} failed: {type(e).__name__}: {str(e)[:160]}")
                 if name == "cublas-bf16":
-                    base = us
+                    base, base_model = us, extra.get("model_us")
                 gbps = (wbytes + m * k * 2 + m * n * 2) / (us * 1e-6) / 1e9
                 row = {"kernel": name, "shape": shape, "m": m, "us": round(us, 2),
                        "tflops": round(2 * m * n * k / (us * 1e-6) / 1e12, 2), "gbps": round(gbps, 1),
                        "speedup_vs_cublas": round(base / us, 3) if base else None}
+                if extra:
+                    row["producer"] = producer_of(k, n)
+                for col, v in extra.items():
+                    row[col] = v
+                    row[col.replace("_us", "_speedup_vs_cublas")] = round(base_model / v, 3) if base_model else None
                 rows.append(row)
+                model = "".join(f"  {row[c]:9.2f} ({row[c.replace('_us', '_speedup_vs_cublas')] or float('nan'):4.2f}x)"
+                                for c in ("model_us", "model_fused_us") if c in row)
                 print(f"{name:26s} {shape:>11s} {m:5d} {us:9.2f} {row['tflops']:8.2f} {gbps:7.0f} "
-                      f"{100 * gbps / copy_gbps:5.0f}% {row['speedup_vs_cublas'] or float('nan'):8.2f}x")
+                      f"{100 * gbps / copy_gbps:5.0f}% {row['speedup_vs_cublas'] or float('nan'):8.2f}x" + model)
         del cands
         torch.cuda.empty_cache()
     tag = "".join(c if c.isalnum() else "-" for c in gpu).strip("-").lower()

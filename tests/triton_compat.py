@@ -21,3 +21,28 @@ def patch() -> None:
 
     patched._lqe_patched = True
     interpreter._patch_lang_tensor = patched
+
+
+def patch_bf16_rounding() -> None:
+    """Triton 3.6's interpreter converts fp32 -> bf16 by truncating (and its "rtne" mode rounds ties away from zero);
+    the GPU rounds to nearest even (``cvt.rn.bf16.f32``). After this call the interpreter rounds like the GPU, so a
+    kernel that rounds to bf16 can be compared bit for bit with torch under the interpreter. Tests only."""
+    try:
+        import numpy as np
+        import torch
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except Exception:  # noqa: BLE001 -- no triton: nothing to patch
+        return
+    original = interpreter._convert_float
+    if getattr(original, "_lqe_patched", False):
+        return
+
+    def convert(input, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.float32 and output_dtype == tl.bfloat16:
+            t = torch.from_numpy(np.ascontiguousarray(input, dtype=np.float32)).to(torch.bfloat16)
+            return t.view(torch.int16).numpy().view(np.uint16).reshape(input.shape)
+        return original(input, input_dtype, output_dtype, rounding_mode)
+
+    convert._lqe_patched = True
+    interpreter._convert_float = convert

@@ -22,6 +22,7 @@ from lqe.engine.step_inputs import StepInputBuilder, StepInputs, StepLayout
 from lqe.forward_context import ForwardContext, set_forward_context
 from lqe.kernels.attention_backends import select_backend
 from lqe.kernels.attention_plan import choose_num_splits
+from lqe.layers.act_quant_fusion import link_act_quant
 from lqe.layers.attention import Attention
 from lqe.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from lqe.loaders.hf_config import ModelConfig
@@ -59,6 +60,7 @@ class ModelRunner:
             method = getattr(module, "quant_method", None)
             if method is not None:
                 method.process_weights_after_loading(module)
+        self.fused_act_quant = link_act_quant(self.model, self.tp_size)  # norm / SiLU-mul -> int8 for W8A8
         self.model.eval()
         backend = select_backend(device)
         for module in self.model.modules():

@@ -3,6 +3,7 @@
 * ``rms_norm(x, weight, eps, residual=None)``: ``x + residual`` (rounded to x's dtype, returned as the new
   residual) normalised in fp32, cast back, times ``weight`` -- the rounding order of ``lqe.layers.norm``.
 * ``silu_and_mul(x)``: ``silu(gate) * up`` on a fused ``[gate | up]`` tensor (``lqe.layers.activation``).
+  (Both also exist fused with the per-token int8 quantization of their output: :mod:`lqe.kernels.fused_quant`.)
 * ``rotary_embedding(positions, q, k, cos_sin, head_dim)``: neox rotation (rotate halves) of ``q [T, H*D]`` and
   ``k [T, KVH*D]`` with ``cos_sin [max_pos, rot_dim]`` = ``[cos | sin]`` in fp32 (``lqe.layers.rotary``); the first
   ``rot_dim`` dims of each head rotate, the rest pass through. Returns new tensors.
@@ -64,12 +65,13 @@ def rotary_embedding_torch(positions, q, k, cos_sin, head_dim):
 
 # ------------------------------------------------------------------------------------------------ kernels
 if HAS_TRITON:
+    # The row bodies below are shared with the int8-quantizing variants of lqe/kernels/fused_quant.py: one source
+    # for both, so the fused norm / activation rounds exactly like the op it replaces.
     @triton.jit
-    def _rms_norm_kernel(X, R, W, Out, ROut, stride_x, stride_r, stride_o, stride_ro, n, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BLOCK)
-        mask = offs < n
+    def _rms_norm_row(X, R, W, ROut, row, stride_x, stride_r, stride_ro, n, eps, offs, mask,
+                      HAS_RESIDUAL: tl.constexpr):
+        """fp32 ``weight * normed`` of one row (the caller rounds it to its output dtype); stores the new
+        residual when ``HAS_RESIDUAL``. Masked lanes come out 0."""
         x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
         if HAS_RESIDUAL:
             x = (x.to(tl.float32) + tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32))
@@ -79,17 +81,32 @@ if HAS_TRITON:
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
         normed = (xf * rstd).to(X.dtype.element_ty).to(tl.float32)
         w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(Out + row * stride_o + offs, (normed * w).to(Out.dtype.element_ty), mask=mask)
+        return normed * w
+
+    @triton.jit
+    def _silu_and_mul_row(X, row, stride_x, n, offs, mask):
+        """fp32 ``silu(gate) * up`` of columns ``offs`` of one row (the caller rounds it); masked lanes 0."""
+        gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(X + row * stride_x + n + offs, mask=mask, other=0.0)
+        act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)
+        return act * up.to(tl.float32)
+
+    @triton.jit
+    def _rms_norm_kernel(X, R, W, Out, ROut, stride_x, stride_r, stride_o, stride_ro, n, eps,
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n
+        y = _rms_norm_row(X, R, W, ROut, row, stride_x, stride_r, stride_ro, n, eps, offs, mask, HAS_RESIDUAL)
+        tl.store(Out + row * stride_o + offs, y.to(Out.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _silu_and_mul_kernel(X, Out, stride_x, stride_o, n, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(X + row * stride_x + n + offs, mask=mask, other=0.0)
-        act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)
-        tl.store(Out + row * stride_o + offs, (act * up.to(tl.float32)).to(Out.dtype.element_ty), mask=mask)
+        y = _silu_and_mul_row(X, row, stride_x, n, offs, mask)
+        tl.store(Out + row * stride_o + offs, y.to(Out.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rotary_kernel(Pos, X, Out, CosSin, stride_x, stride_o, stride_cs, num_heads,
@@ -124,6 +141,13 @@ def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
     return x2
 
 
+def rms_norm_launch(n: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) of the RMSNorm kernels for rows of ``n``: the reduction order follows from both, so the
+    plain and the int8-quantizing kernel must launch alike to round alike."""
+    block = triton.next_power_of_2(n)
+    return block, min(16, max(1, block // 256))
+
+
 # ------------------------------------------------------------------------------------------------ public ops
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              use_triton: bool | None = None):
@@ -134,10 +158,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     r2 = _rows(residual, "residual") if residual is not None else x2
     r_out = torch.empty_like(out) if residual is not None else out
-    block = triton.next_power_of_2(n)
+    block, warps = rms_norm_launch(n)
     _rms_norm_kernel[(x2.shape[0],)](
         x2, r2, weight, out, r_out, x2.stride(0), r2.stride(0), out.stride(0), r_out.stride(0), n, float(eps),
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=warps,
     )
     out = out.view(shape)
     return out if residual is None else (out, r_out.view(shape))

@@ -1,13 +1,30 @@
-"""Gated activations on a fused ``[gate | up]`` tensor."""
+"""Gated activations on a fused ``[gate | up]`` tensor.
+
+When its only consumer takes int8 input (set after loading by :mod:`lqe.layers.act_quant_fusion`), the activation
+returns its output quantized per token (:class:`~lqe.quant_layers.quantized_activation.QuantizedActivation`, one
+fused kernel on GPU) in place of the float tensor.
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lqe.quant_layers.quantized_activation import INT8_PER_TOKEN_SYM, QuantizedActivation
+
 
 class SiluAndMul(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    supported_output_quant = (INT8_PER_TOKEN_SYM,)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.output_quant: str | None = None  # a scheme of supported_output_quant: return the output quantized
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | QuantizedActivation:
+        if self.output_quant is not None:
+            from lqe.kernels.fused_quant import silu_mul_quant_int8
+
+            return QuantizedActivation(*silu_mul_quant_int8(x, use_triton=x.is_cuda), x.dtype)
         if x.is_cuda:
             from lqe.kernels.fused_ops import silu_and_mul
 

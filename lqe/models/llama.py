@@ -65,6 +65,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    # (producer, its only consumer), relative names: ops whose output is read by that one linear layer alone, which
+    # may then take it pre-quantized (lqe.layers.act_quant_fusion, set after loading; forward is unchanged)
+    act_quant_pairs = (("input_layernorm", "self_attn.qkv_proj"), ("post_attention_layernorm", "mlp.gate_up_proj"),
+                       ("mlp.act_fn", "mlp.down_proj"))
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, quant_config: QuantConfig | None, prefix: str,
                  dtype: torch.dtype, attn_kwargs: dict) -> None:
         super().__init__()

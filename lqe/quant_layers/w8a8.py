@@ -13,6 +13,8 @@ CUDA kernel, its fragment-packed copy) and the kernel for each call's token coun
 GEMM, cuBLASLt ``torch._int_mm`` + Triton epilogue, or the lqe CUDA kernel; all with the scales, zero-point
 correction and bias in the epilogue). Dynamic per-token activations are quantized by the CUDA kernel of
 csrc/gemm/quant_per_token.cu (bit-exact with :func:`reference.per_token_quant_int8`), static per-tensor ones in torch.
+Dynamic symmetric ones may instead arrive quantized from the RMSNorm / SiLU-mul that produced them
+(:meth:`W8A8Int8Method.input_quant`, :class:`QuantizedActivation`, :mod:`lqe.layers.act_quant_fusion`).
 When no kernel can run, the torch path above runs and the reason is logged once per layer kind.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ from lqe.quant_layers.base import LinearMethod, empty_param
 from lqe.quant_layers.canonical import CanonicalWeight
 from lqe.quant_layers.ct_scheme import CTScheme
 from lqe.quant_layers.loading import FLOAT_DTYPES, INT_DTYPES, add_param, drop_params, require_loaded
+from lqe.quant_layers.quantized_activation import INT8_PER_TOKEN_SYM, QuantizedActivation
 from lqe.quant_layers.wna16_kernels import cuda_kernels_declined, layer_kind, log_fallback_once, select_w4a16_kernel
 
 _INT_MM_BROKEN: set[str] = set()
@@ -155,7 +158,19 @@ class W8A8Int8Method(LinearMethod):
             self.summary = f"w8a8 int8 {self.s.weights.strategy} weights, {act} activations, {mm}"
         drop_params(layer, ["weight", "weight_scale", "input_scale", "input_zero_point"])
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def input_quant(self, layer: nn.Module) -> str | None:
+        """Dynamic symmetric per-token activations on the CUDA kernels' path, one tensor-parallel rank (a
+        row-parallel shard needs the all-reduced range): the producing op may quantize them (RMSNorm / SiLU-mul
+        fused with the quantization, :mod:`lqe.kernels.fused_quant`), bit for bit as ``_w8a8_cuda`` would."""
+        a = self.s.input_activations
+        if a is None or not a.dynamic or not a.symmetric or getattr(layer, "tp_mode", None) is not None:
+            return None
+        return INT8_PER_TOKEN_SYM if getattr(layer, "w8a8_plan", None) is not None else None
+
+    def apply(self, layer: nn.Module, x: torch.Tensor | QuantizedActivation,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(x, QuantizedActivation):
+            return self._apply_quantized(layer, x, bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self.s.input_activations is None:
@@ -181,7 +196,18 @@ class W8A8Int8Method(LinearMethod):
         out = (s_a.reshape(-1, 1) * layer.w_scale) * acc.to(torch.float32)
         return out if bias is None else out + bias.float()
 
-    def _w8a8_cuda(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _apply_quantized(self, layer: nn.Module, x: QuantizedActivation, bias: torch.Tensor | None) -> torch.Tensor:
+        """The input came quantized (dynamic symmetric per token) from the op that produced it: the int8 GEMM +
+        epilogue of the CUDA path, without the quantization; output dtypes as for a float input."""
+        if self.input_quant(layer) != x.scheme:
+            raise ValueError(f"{getattr(layer, 'prefix', 'layer')}: got a {x.scheme} activation but this layer takes "
+                             f"{self.input_quant(layer) or 'only float'} input ({self.describe(layer)})")
+        xq, s_a = x.rows()
+        out = self._w8a8_cuda(layer, None, bias, (xq, s_a, layer.params_dtype))
+        return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+
+    def _w8a8_cuda(self, layer: nn.Module, x: torch.Tensor | None, bias: torch.Tensor | None,
+                   quantized: tuple[torch.Tensor, torch.Tensor, torch.dtype] | None = None) -> torch.Tensor:
         from lqe.kernels import w8a8 as kw
         from lqe.kernels.repack import PackedW8A8
 
@@ -191,15 +217,20 @@ class W8A8Int8Method(LinearMethod):
         if layer.w8a8_qweight is not None:
             packed = PackedW8A8(layer.w8a8_qweight, layer.w8a8_w_scale, layer.w8a8_colsum, k, n)
         wts = kw.W8A8Weights(layer.w8a8_w, layer.w8a8_w_scale, layer.w8a8_colsum, packed, table, k, n)
-        x = x.to(layer.params_dtype)
-        if bias is not None:
-            bias = bias.to(x.dtype).contiguous()
-        if a.dynamic:
-            xq, s_a, azp = kw.quantize_per_token_any(x, a.symmetric)
+        if quantized is not None:  # from the producing op (input_quant): dynamic symmetric per token
+            xq, s_a, dtype = quantized
+            azp = None
         else:
-            s_a, azp = layer.in_scale, layer.in_zp
-            xq = kw.quantize_static(x, s_a, azp)
-        return kw.w8a8_apply(xq, s_a, wts, azp, bias, x.dtype)
+            x = x.to(layer.params_dtype)
+            dtype = x.dtype
+            if a.dynamic:
+                xq, s_a, azp = kw.quantize_per_token_any(x, a.symmetric)
+            else:
+                s_a, azp = layer.in_scale, layer.in_zp
+                xq = kw.quantize_static(x, s_a, azp)
+        if bias is not None:
+            bias = bias.to(dtype).contiguous()
+        return kw.w8a8_apply(xq, s_a, wts, azp, bias, dtype)
 
     def describe(self, layer: nn.Module) -> str:
         return self.summary or "w8a8 int8 (weights not processed yet)"
