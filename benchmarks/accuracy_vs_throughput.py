@@ -25,6 +25,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+# WikiText-2 validation split beside the repository: the README rows were calibrated on it
+SHARED_CALIB = os.path.normpath(os.path.join(REPO, "..", "shared", "data", "wikitext2-valid.tokens"))
 sys.path.insert(0, HERE)
 from common import env_info, random_lengths, random_prompts  # noqa: E402
 
@@ -166,7 +168,7 @@ def markdown(res: dict) -> str:
            f"positions. Decode: batch 1, {s['latency_prompt_len']}-token prompt, {s['latency_gen_len']} tokens. "
            f"Throughput: {s['tp_prompts']} prompts of {s['tp_input_len'][0]}-{s['tp_input_len'][1]} tokens, "
            f"{s['tp_output_len'][0]}-{s['tp_output_len'][1]} output tokens. Calibration: {s['calib_samples']} x "
-           f"{s['calib_seq_len']} tokens of `{os.path.basename(s['calib'] or 'wikitext2-valid.tokens')}`, seed {s['seed']}.",
+           f"{s['calib_seq_len']} tokens of `{os.path.basename(s['calib'] or 'calib_default.txt.gz')}`, seed {s['seed']}.",
            "", "| variant | format | bits | group | ppl | Δppl | KL | top-1 | decode tok/s | GB/s | throughput tok/s | weights MiB |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for v in rows:
@@ -251,7 +253,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--cache", default=None, help="converted checkpoints (default $LQE_CACHE_DIR/bench/<model>)")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--calib", default=None)
+    p.add_argument("--calib", default=None,
+                   help="calibration text for tools.convert (default: ../shared/data/wikitext2-valid.tokens where it "
+                        "exists, as the README rows used; else tools.convert's packaged default text)")
     p.add_argument("--calib-samples", type=int, default=16)
     p.add_argument("--calib-seq-len", type=int, default=256)
     p.add_argument("--latency-prompt-len", type=int, default=32)
@@ -261,6 +265,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tp-output-len", type=int, nargs=2, default=[32, 64])
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.calib is None and os.path.isfile(SHARED_CALIB):
+        args.calib = SHARED_CALIB  # explicit: tools.convert's own default is its packaged text
     from lqe.eval import DEFAULT_DATASET, load_windows
     from lqe.loaders.model_source import cache_dir, resolve_model
     from transformers import AutoTokenizer

@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--damp", type=float, default=0.01)
     p.add_argument("--library-defaults", action="store_true",
                    help="GPTQModel's own defaults (damp 0.05, group-aware reordering, RTN fallback) instead of plain GPTQ")
-    p.add_argument("--calib", default=None, help="calibration text (default ../shared/data/wikitext2-valid.tokens)")
+    p.add_argument("--calib", default=None, help="calibration text (default ../shared/data/wikitext2-valid.tokens where it "
+                   "exists, as the README rows used; else tools.convert's packaged default)")
     p.add_argument("--num-samples", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
@@ -72,6 +73,10 @@ def main(argv: list[str] | None = None) -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     model_dir = os.path.abspath(resolve_model(a.model))  # absolute: the library runs from the output directory
+    from tools.convert.calib_data import SHARED_CALIB
+
+    if a.calib is None and os.path.isfile(SHARED_CALIB):
+        a.calib = SHARED_CALIB  # explicit: calibration_ids' own default is the packaged text
     ids = calibration_ids(model_dir, a.calib, a.num_samples, a.seq_len, a.seed)
     extra = {} if a.library_defaults else dict(damp_percent=a.damp, act_group_aware=False, fallback=None,
                                                static_groups=False, mse=0.0, true_sequential=True)

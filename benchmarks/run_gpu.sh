@@ -5,21 +5,24 @@
 #      checks; the CPU tests need packages a GPU machine may lack, e.g. openai),
 #   3. the kernel benchmark (benchmarks/kernels.py),
 #   4. the end-to-end smoke benchmark (benchmarks/e2e_gpu.py --quick),
+#   5. the calibration benchmark (benchmarks/calibration_gpu.py: GPTQ W4 g128 on the llama3-8b shape with 4 of its
+#      32 layers, 128 x 2048 random tokens; the per-layer time is extrapolated to 32 layers in the JSON),
 # then write benchmarks/results/gpu-<gpu>.json = {commit, device, torch, tests: {passed, failed, skipped,
-# failed_ids}, build_seconds, stages} beside kernels-<gpu>.json and e2e-<gpu>.json. A failing stage is reported
+# failed_ids}, build_seconds, stages} beside kernels-<gpu>.json, e2e-<gpu>.json and calibration-<gpu>.json. A failing stage is reported
 # and the next one still runs; the exit status is non-zero when any stage failed or any test failed.
 #
 #   bash benchmarks/run_gpu.sh                 # results in benchmarks/results/
 #   OUT=/some/dir bash benchmarks/run_gpu.sh   # results (and logs) in /some/dir
 #   LQE_COMMIT=abc1234 ...                     # the commit measured, where the tree has no .git
-# Stage time limits (seconds): LQE_TEST_TIMEOUT (300), LQE_KERNELS_TIMEOUT (150), LQE_E2E_TIMEOUT (240).
-# LQE_SKIP="kernels e2e" skips stages by name (reported as "skipped"); LQE_TESTS="tests/gpu/x.py" narrows stage 2.
+# Stage time limits (seconds): LQE_TEST_TIMEOUT (300), LQE_KERNELS_TIMEOUT (150), LQE_E2E_TIMEOUT (240),
+# LQE_CALIB_TIMEOUT (300; LQE_CALIB_ARGS replaces "--layers 4 --methods gptq-sym").
+# LQE_SKIP="kernels e2e calib" skips stages by name (reported as "skipped"); LQE_TESTS="tests/gpu/x.py" narrows stage 2.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUTDIR="${OUT:-benchmarks/results}"; mkdir -p "$OUTDIR"
 LOGDIR="$OUTDIR/logs"; mkdir -p "$LOGDIR"
-declare -A stage_rc=([build]=1 [tests]=1 [kernels]=1 [e2e]=1)
+declare -A stage_rc=([build]=1 [tests]=1 [kernels]=1 [e2e]=1 [calib]=1)
 
 if ! python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "run_gpu.sh: no CUDA GPU visible (torch.cuda.is_available() is False); nothing was run." >&2
@@ -31,7 +34,7 @@ if [[ -z "${LQE_CUDA_ARCHS:-}" ]]; then  # build only for this GPU (sm_90a on Ho
   export LQE_CUDA_ARCHS
 fi
 
-echo "== [1/4] build the CUDA kernels ($LQE_CUDA_ARCHS)"
+echo "== [1/5] build the CUDA kernels ($LQE_CUDA_ARCHS)"
 t0=$(date +%s.%N)
 python -c "import logging,sys;logging.basicConfig(level=logging.INFO);import lqe.kernels as k;ok=k.available();print('lqe kernels available:',ok,k.unavailable_reason() or '');sys.exit(0 if ok else 1)" \
   2>&1 | tee "$LOGDIR/build.log"
@@ -40,7 +43,7 @@ BUILD_S=$(python -c "import time;print(round(time.time()-$t0,1))")
 
 skip() { [[ " ${LQE_SKIP:-} " == *" $1 "* ]] && stage_rc[$1]=-1; }
 
-echo "== [2/4] GPU tests (${LQE_TEST_JOBS:-6} pytest processes side by side)"
+echo "== [2/5] GPU tests (${LQE_TEST_JOBS:-6} pytest processes side by side)"
 if ! skip tests; then
   # the test ids split into LQE_TEST_JOBS groups, run concurrently on the one GPU (the tests
   # are latency-bound and small; nothing in them is timed), each group writing its own JUnit XML
@@ -71,22 +74,29 @@ PY
   done
 fi
 
-echo "== [3/4] kernel benchmark"
+echo "== [3/5] kernel benchmark"
 if ! skip kernels; then
   timeout "${LQE_KERNELS_TIMEOUT:-150}" python benchmarks/kernels.py --m ${LQE_KERNEL_MS:-1 4 16 64 256 1024} --out "$OUTDIR/kernels-$SLUG.json" 2>&1 \
     | tee "$LOGDIR/kernels.txt" | tail -60
   stage_rc[kernels]=${PIPESTATUS[0]}
 fi
 
-echo "== [4/4] end-to-end benchmark (--quick)"
+echo "== [4/5] end-to-end benchmark (--quick)"
 if ! skip e2e; then
   timeout "${LQE_E2E_TIMEOUT:-240}" python benchmarks/e2e_gpu.py --quick --out-dir "$OUTDIR" ${LQE_E2E_ARGS:-} 2>&1 \
     | tee "$LOGDIR/e2e.txt" | grep -v "^\[lqe" | tail -30
   stage_rc[e2e]=${PIPESTATUS[0]}
 fi
 
+echo "== [5/5] calibration benchmark (llama3-8b shape, 4 layers, 128 x 2048 tokens; extrapolated to 32 layers)"
+if ! skip calib; then
+  timeout "${LQE_CALIB_TIMEOUT:-300}" python benchmarks/calibration_gpu.py --out "$OUTDIR/calibration-$SLUG.json" \
+    ${LQE_CALIB_ARGS:---layers 4 --methods gptq-sym} 2>&1 | tee "$LOGDIR/calibration.txt" | grep "^\[\|^wrote" | tail -20
+  stage_rc[calib]=${PIPESTATUS[0]}
+fi
+
 python - "$OUTDIR/gpu-$SLUG.json" "$LOGDIR" "$BUILD_S" "${stage_rc[build]}" "${stage_rc[tests]}" \
-  "${stage_rc[kernels]}" "${stage_rc[e2e]}" <<'EOF'
+  "${stage_rc[kernels]}" "${stage_rc[e2e]}" "${stage_rc[calib]}" <<'EOF'
 import json, os, subprocess, sys
 import xml.etree.ElementTree as ET
 
@@ -95,7 +105,7 @@ import torch
 import glob
 
 out, logdir, build_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
-rcs = dict(zip(("build", "tests", "kernels", "e2e"), map(int, sys.argv[4:8])))
+rcs = dict(zip(("build", "tests", "kernels", "e2e", "calib"), map(int, sys.argv[4:9])))
 tests = {"passed": 0, "failed": 0, "skipped": 0, "failed_ids": []}
 for xml_path in sorted(glob.glob(os.path.join(logdir, "gpu-tests-*.xml"))):
     for case in ET.parse(xml_path).getroot().iter("testcase"):

@@ -118,7 +118,7 @@ def search_clip(x: torch.Tensor, weight: torch.Tensor, bits: int, group_size: in
     if sym:
         wmax = torch.maximum(wmax.abs(), wmin.abs())
         wmin = -wmax
-    best_err = torch.full((n, k // g), float("inf"))
+    best_err = torch.full((n, k // g), float("inf"), device=weight.device)
     best = w.clone()
     for i in range(steps + 1):
         r = 1 - i * (1 - min_ratio) / steps

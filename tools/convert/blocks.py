@@ -1,7 +1,8 @@
 """Run a HF causal LM block by block on calibration inputs, so only one decoder layer's activations live at a
 time: capture the first layer's inputs (hidden states + the keyword arguments HF passes: mask, rotary
 embeddings ...), then for each layer collect what a method needs through forward hooks on its linears,
-quantize it, and feed the quantized layer's outputs to the next one."""
+quantize it, and feed the quantized layer's outputs to the next one. Activations live on the device of the model's
+input embedding (the calibration device); the layers themselves may come and go (see :mod:`.streaming`)."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -31,6 +32,18 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def slice_batch(obj, m: int, batch: int):
+    """The first ``m`` sequences of a decoder layer's keyword argument (tensors of 2+ dims whose dim 0 is the batch:
+    masks, rotary tables; 1-D ones such as ``cache_position`` run over positions)."""
+    if isinstance(obj, torch.Tensor):
+        return obj[:m] if obj.dim() >= 2 and obj.shape[0] == batch and batch != m else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(slice_batch(o, m, batch) for o in obj)
+    if isinstance(obj, dict):
+        return {k: slice_batch(v, m, batch) for k, v in obj.items()}
+    return obj
+
+
 def linear_groups(layer: nn.Module) -> list[tuple[str, ...]]:
     """Known groups first, then any other linear alone (module order)."""
     linears = [n for n, m in layer.named_modules() if isinstance(m, nn.Linear)]
@@ -42,18 +55,28 @@ def linear_groups(layer: nn.Module) -> list[tuple[str, ...]]:
 
 class BlockRunner:
     """``inputs``: the current layer's inputs as the quantized layers before it produce them. With ``track_float``,
-    also ``fp_inputs``: the same layer's inputs in the float model (what the quantized stream should reproduce)."""
+    also ``fp_inputs``: the same layer's inputs in the float model (what the quantized stream should reproduce).
+    ``input_ids`` may live anywhere: each batch goes to the device of the model's input embedding (``device``), where
+    the layers run. ``offload`` keeps the stored activations in (pinned) CPU memory between runs, each batch copied
+    to the device for its forward: the device then holds one batch instead of all of them. ``steps`` counts
+    :meth:`advance` calls."""
 
-    def __init__(self, model: nn.Module, input_ids: torch.Tensor, batch_size: int = 8, track_float: bool = False) -> None:
+    def __init__(self, model: nn.Module, input_ids: torch.Tensor, batch_size: int = 8, track_float: bool = False,
+                 offload: bool = False) -> None:
         self.model = model
         self.layers = decoder_layers(model)
         self.inputs: list[torch.Tensor] = []
         self.kwargs: list[dict] = []
         self.fp_inputs: list[torch.Tensor] | None = None
+        self.steps = 0
         first = self.layers[0]
+        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        device = embed.weight.device if embed is not None else next(model.parameters()).device
+        self.device = device
+        self.store = torch.device("cpu") if offload else device
 
         def catch(module, args, kwargs):
-            self.inputs.append(args[0] if args else kwargs.pop("hidden_states"))
+            self.inputs.append(self.stored(args[0] if args else kwargs.pop("hidden_states")))
             self.kwargs.append({k: v for k, v in kwargs.items() if k != "hidden_states"})
             raise _Stop
 
@@ -62,7 +85,7 @@ class BlockRunner:
             with torch.no_grad():
                 for i in range(0, input_ids.shape[0], batch_size):
                     try:
-                        model(input_ids[i:i + batch_size], use_cache=False)
+                        model(input_ids[i:i + batch_size].to(device), use_cache=False)
                     except _Stop:
                         pass
         finally:
@@ -83,7 +106,7 @@ class BlockRunner:
             with torch.no_grad():
                 for x, kw in zip(self.inputs if inputs is None else inputs, self.kwargs):
                     try:
-                        y = layer(x, **kw)
+                        y = layer(self.on_device(x), **kw)
                     except _Stop:
                         continue
                     if keep_outputs:
@@ -112,7 +135,7 @@ class BlockRunner:
                 for x, xf, kw in zip(self.inputs, self.fp_inputs, self.kwargs):
                     for mod, inp in ((fp_layer, xf), (layer, x)):
                         try:
-                            mod(inp, **kw)
+                            mod(self.on_device(inp), **kw)
                         except _Stop:
                             pass
                     seen.clear()
@@ -126,8 +149,65 @@ class BlockRunner:
         if self.fp_inputs is not None:
             if fp_layer is None:
                 raise ValueError("a BlockRunner tracking the float stream needs the float layer to advance")
-            self.fp_inputs = self.run(fp_layer, keep_outputs=True, inputs=self.fp_inputs)
-        self.inputs = self.run(layer, keep_outputs=True)
+            self._replace(fp_layer, self.fp_inputs)
+        self._replace(layer, self.inputs)
+        self.steps += 1
+
+    @torch.no_grad()
+    def _replace(self, layer: nn.Module, inputs: list[torch.Tensor]) -> None:
+        """``inputs[b] = layer(inputs[b])`` batch by batch: one batch's old and new activations coexist, not all."""
+        for b, kw in enumerate(self.kwargs):
+            y = layer(self.on_device(inputs[b]), **kw)
+            inputs[b] = self.stored(y[0] if isinstance(y, tuple) else y)
+
+    def stored(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` where the activations are kept (pinned host memory when offloading from a GPU)."""
+        if x.device == self.store:
+            return x
+        if self.store.type == "cpu" and x.device.type == "cuda":
+            return torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x)
+        return x.to(self.store)
+
+    def on_device(self, x: torch.Tensor) -> torch.Tensor:
+        """A stored activation on the device the layers run on."""
+        return x.to(self.device, non_blocking=True)
+
+
+CALIB_ATTENTION = "lqe_calibration_sdpa"
+
+
+def sdpa_repeated_kv(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa attention with the key/value heads of grouped-query attention repeated up front."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:
+        b, h, t, d = key.shape
+        key = key[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
+        value = value[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
+    if attention_mask is not None and attention_mask.dim() == 4:
+        attention_mask = attention_mask[:, :, :, :key.shape[-2]]
+    is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                           dropout_p=dropout, scale=scaling, is_causal=is_causal)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_repeated_kv_attention(model: nn.Module) -> None:
+    """Run ``model``'s sdpa attention through :func:`sdpa_repeated_kv`. On CUDA, fp32 sdpa with grouped-query
+    attention (``enable_gqa``) falls back to the math kernel, which materializes ``[batch, heads, T, T]`` scores
+    (4 GiB for 8 x 2048 tokens of Llama-3-8B, twice that with the softmax); with the heads repeated the
+    memory-efficient kernel runs. (The CPU keeps transformers' own sdpa: the reference numerics.)"""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(CALIB_ATTENTION, sdpa_repeated_kv)
+    AttentionMaskInterface.register(CALIB_ATTENTION, sdpa_mask)
+    configs = {id(m.config): m.config for m in model.modules() if getattr(m, "config", None) is not None}
+    for cfg in configs.values():
+        if getattr(cfg, "_attn_implementation", None) == "sdpa":
+            cfg._attn_implementation = CALIB_ATTENTION
 
 
 @contextmanager

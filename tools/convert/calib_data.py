@@ -2,9 +2,13 @@
 
 Where the text comes from (``--calib``):
 
-* not given: ``../shared/data/wikitext2-valid.tokens`` beside the repository when it exists (this workspace's
-  WikiText-2 validation split, which must not be copied into the repository), else ``self`` below, so calibration
-  works in a fresh clone with no external file;
+* not given, or ``default``: ``tools/convert/data/calib_default.txt.gz``, shipped inside the package (324 KB of
+  public-domain / CC0 English prose: CIA World Factbook country backgrounds, Python PEPs, and three
+  Project Gutenberg books; sources and licenses in ``tools/convert/data/ATTRIBUTION.md``), so a fresh clone or a
+  ``pip install`` calibrates exactly as this workspace does;
+* ``wikitext2``: ``../shared/data/wikitext2-valid.tokens`` beside the repository (this workspace's WikiText-2
+  validation split, CC BY-SA, which must not be copied into the repository; the README's benchmark rows were
+  calibrated on it), only where that file exists;
 * ``FILE``: ``.txt`` / ``.tokens`` / ``.raw`` (or anything else: read as UTF-8 text, ``.gz`` decompressed),
   ``.jsonl`` (the ``text`` field of each line), ``.parquet`` (its ``text`` column; needs ``pyarrow``);
 * ``self``: ``num_samples`` sequences sampled from the model itself through lqe's engine (temperature 1, the
@@ -21,25 +25,47 @@ import torch
 from tools.convert.spec import ConvertError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# the README's benchmark rows were calibrated on it
+# shipped with the package (package data, see pyproject.toml); what no --calib means
+PACKAGED_CALIB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "calib_default.txt.gz")
+# this workspace's WikiText-2 validation split: the README's benchmark rows were calibrated on it (--calib wikitext2)
 SHARED_CALIB = os.path.normpath(os.path.join(REPO, "..", "shared", "data", "wikitext2-valid.tokens"))
 SELF = "self"
+DEFAULT = "default"
+WIKITEXT2 = "wikitext2"
 
 
 def default_calib_path() -> str:
-    """The calibration source used when ``--calib`` is not given: the shared WikiText-2 file, else ``"self"``."""
-    return SHARED_CALIB if os.path.isfile(SHARED_CALIB) else SELF
+    """The calibration text used when ``--calib`` is not given: the packaged ``calib_default.txt.gz``."""
+    return PACKAGED_CALIB
+
+
+def resolve_calib(calib: str | None) -> str:
+    """``--calib`` as a path, or ``"self"``: None / ``default`` -> the packaged text, ``wikitext2`` -> the shared
+    WikiText-2 validation file (an error where it does not exist), anything else unchanged."""
+    if calib is None or calib == DEFAULT:
+        if not os.path.isfile(PACKAGED_CALIB):
+            raise ConvertError(f"the packaged calibration text {PACKAGED_CALIB} is missing (a broken install?): "
+                               "pass --calib FILE or --calib self")
+        return PACKAGED_CALIB
+    if calib == WIKITEXT2:
+        if not os.path.isfile(SHARED_CALIB):
+            raise ConvertError(f"--calib wikitext2 reads {SHARED_CALIB}, which does not exist here; pass the path "
+                               "of your own copy of the WikiText-2 validation split, or omit --calib for the "
+                               "packaged default")
+        return SHARED_CALIB
+    return calib
 
 
 def check_calib_arg(calib: str | None) -> None:
     """Fail before any model is loaded when ``--calib`` names something unreadable."""
-    if calib is None or calib == SELF:
+    path = resolve_calib(calib)
+    if path == SELF:
         return
-    if not os.path.isfile(calib):
-        raise ConvertError(f"calibration file {calib!r} does not exist (give a .txt/.jsonl/.parquet file, 'self', "
-                           "or omit --calib)")
-    if calib.endswith(".parquet"):
-        _require_pyarrow(calib)
+    if not os.path.isfile(path):
+        raise ConvertError(f"calibration file {path!r} does not exist (give a .txt/.jsonl/.parquet file, 'self', "
+                           "'wikitext2', or omit --calib for the packaged default text)")
+    if path.endswith(".parquet"):
+        _require_pyarrow(path)
 
 
 def _require_pyarrow(path: str):
@@ -90,10 +116,10 @@ def calibration_ids(model_dir: str, path: str | None, num_samples: int, seq_len:
     if num_samples < 1 or seq_len < 2:
         raise ConvertError(f"--num-samples ({num_samples}) must be >= 1 and --seq-len ({seq_len}) >= 2")
     if path is None:
-        path = default_calib_path()
-        if path == SELF:
-            print(f"tools.convert: no --calib and no {SHARED_CALIB}: calibrating on text sampled from the model "
-                  "itself (--calib self); pass --calib FILE for your own text")
+        print("tools.convert: no --calib: calibrating on the packaged default text (tools/convert/data/"
+              "calib_default.txt.gz, public-domain / CC0 prose, see ATTRIBUTION.md there); pass --calib FILE for "
+              "your own text, --calib wikitext2 for this workspace's WikiText-2 validation split")
+    path = resolve_calib(path)
     if path == SELF:
         return self_generated_ids(model_dir, num_samples, seq_len, seed)
     check_calib_arg(path)

@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                         formatter_class=_Help)
     _add_spec_args(ex)
     ex.add_argument("--params", default=None, help="safetensors/torch file with <layer>.scales [G,N], .zeros [G,N], "
-                                                  ".g_idx [K] or .perm [K]; without it the weights must be fake-quantized")
+                                                  ".g_idx [K] or .perm [K] (default: none; the weights must then be fake-quantized)")
     q = sub.add_parser("quantize", help="calibrate (rtn, gptq, awq, smoothquant) and export", formatter_class=_Help)
     _add_spec_args(q)
     q.add_argument("--method", default="gptq", choices=("rtn", "gptq", "awq", "smoothquant"), help="calibration method")
@@ -69,9 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPTQ: quantize q/k/v, o, gate/up, down of a block from the same inputs (default: sequentially)")
     q.add_argument("--calib", default=None,
                    help="calibration text: a .txt (or .tokens/.raw, optionally .gz) file, a .jsonl file (its 'text' "
-                        "field), a .parquet file (its 'text' column; needs pyarrow), or 'self' (sampled from the model "
-                        "itself). Default: ../shared/data/wikitext2-valid.tokens beside the repository when it exists, else "
-                        "'self'")
+                        "field), a .parquet file (its 'text' column; needs pyarrow), 'self' (sampled from the model "
+                        "itself), or 'wikitext2' (../shared/data/wikitext2-valid.tokens beside the repository, where it "
+                        "exists). Default: the packaged public-domain/CC0 text tools/convert/data/calib_default.txt.gz "
+                        "(also 'default'; sources in ATTRIBUTION.md there)")
     q.add_argument("--num-samples", type=int, default=32, help="calibration windows")
     q.add_argument("--seq-len", type=int, default=256, help="tokens per calibration window")
     q.add_argument("--seed", type=int, default=0, help="seed of the window positions (and of --calib self)")
@@ -83,10 +84,17 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--awq-tokens", type=int, default=2048,
                    help="AWQ: calibration tokens (whole sequences) on which each candidate scale's error is measured")
     q.add_argument("--batch-size", type=int, default=8, help="calibration windows per forward pass")
+    q.add_argument("--device", default="auto",
+                   help="where calibration runs: auto (cuda when a GPU is visible, else cpu), cpu, cuda or cuda:N. The "
+                        "float checkpoint is streamed: one decoder layer on the device at a time")
+    q.add_argument("--offload-activations", action="store_true",
+                   help="keep the calibration activations in CPU memory, each batch copied to the device for its "
+                        "forward (less device memory, some transfer time)")
     v = sub.add_parser("verify", help="decode a GPTQ/AWQ/compressed-tensors checkpoint and check it", formatter_class=_Help)
     v.add_argument("dir", help="the quantized checkpoint directory")
-    v.add_argument("--against", default=None, help="float (or fake-quantized) checkpoint to compare decoded weights with")
-    v.add_argument("--max-error", type=float, default=None, help="fail when a layer's max abs error exceeds this")
+    v.add_argument("--against", default=None, help="float (or fake-quantized) checkpoint to compare decoded weights with (default: "
+                        "no comparison, only format checks)")
+    v.add_argument("--max-error", type=float, default=None, help="fail when a layer's max abs error against --against exceeds this (default: no limit)")
     return ap
 
 
@@ -106,6 +114,9 @@ def _check_args(a: argparse.Namespace) -> None:
             raise ConvertError(f"--damp must be >= 0, got {a.damp}")
         if a.method != "rtn":
             check_calib_arg(a.calib)
+        from tools.convert.streaming import resolve_device
+
+        resolve_device(a.device)  # a missing GPU is an error before any model is read
     if a.cmd in ("export", "quantize"):
         if a.group_size is not None and a.group_size != -1 and a.group_size < 1:
             raise ConvertError(f"--group-size must be -1 (per channel) or a positive size, got {a.group_size}")
@@ -140,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             spec = _spec(a, damp_percent=a.damp, static_groups=a.static_groups, true_sequential=a.true_sequential,
                          mse=a.mse, drift_alpha=a.drift_alpha)
             opts = CalibOptions(a.calib, a.num_samples, a.seq_len, a.seed, a.alpha, a.awq_clip, a.batch_size,
-                                awq_duo=a.awq_duo, awq_tokens=a.awq_tokens)
+                                awq_duo=a.awq_duo, awq_tokens=a.awq_tokens, device=a.device,
+                                offload_activations=a.offload_activations)
             r, res = quantize_checkpoint(a.model, a.out, a.method, spec, opts, a.overwrite)
             print(f"{a.method}: quantized {len(r.layers)} layers in {res.seconds:.1f} s -> {r.out_dir} ({', '.join(r.files)})")
         else:

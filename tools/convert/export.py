@@ -93,11 +93,15 @@ def canonical_weights(sd: dict[str, torch.Tensor], names: list[str], spec: Expor
 
 
 def write_checkpoint(model_dir: str, out_dir: str, sd: dict[str, torch.Tensor], canon: dict[str, CanonicalWeight],
-                     spec: ExportSpec, overwrite: bool = False) -> ExportReport:
-    """Pack ``canon`` with the format's packer, keep every other tensor in float, write configs and side files."""
+                     spec: ExportSpec, overwrite: bool = False, src_dtype: torch.dtype | None = None) -> ExportReport:
+    """Pack ``canon`` with the format's packer, keep every other tensor in float, write configs and side files.
+
+    ``sd`` needs no float weights of the layers in ``canon`` (they are not written); ``src_dtype``, the source
+    checkpoint's float dtype (the default of ``--float-dtype``), is otherwise that of ``sd``'s first float tensor."""
     spec.validate()
     cfg = writer.read_config(model_dir)
-    src_dtype = next((t.dtype for t in sd.values() if t.is_floating_point()), torch.float32)
+    if src_dtype is None:
+        src_dtype = next((t.dtype for t in sd.values() if t.is_floating_point()), torch.float32)
     fdtype = spec.float_dtype or src_dtype
     zero0 = [n for n, cw in canon.items() if spec.fmt == "gptq" and v1_zero_layers(cw)]
     if zero0 and not spec.clamp_zero:

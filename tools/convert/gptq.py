@@ -17,15 +17,24 @@ from lqe.quant_layers.reference import num_groups, rtn_quantize
 
 class HessianAccumulator:
     """Running ``sum x^T x`` over calibration tokens of one linear's input; with the float model's input ``x_fp`` of
-    the same tokens also ``sum (x_fp - x)^T x``, the drift of the quantized stream (see :func:`drift_target`)."""
+    the same tokens also ``sum (x_fp - x)^T x``, the drift of the quantized stream (see :func:`drift_target`). The sums
+    live in fp32 on ``device``, by default that of the first input. :meth:`hessian` / :meth:`drift` end the sums: the
+    float64 results are kept (the same tensor on every call) and the fp32 sums freed."""
 
-    def __init__(self, k: int) -> None:
-        self.h = torch.zeros(k, k, dtype=torch.float32)
+    def __init__(self, k: int, device: torch.device | str | None = None) -> None:
+        self.k = k
+        self.h: torch.Tensor | None = None if device is None else torch.zeros(k, k, dtype=torch.float32, device=device)
         self.d: torch.Tensor | None = None
         self.count = 0
+        self._hessian: torch.Tensor | None = None
+        self._drift: torch.Tensor | None = None
 
     def add(self, x: torch.Tensor, x_fp: torch.Tensor | None = None) -> None:
+        if self._hessian is not None or self._drift is not None:
+            raise RuntimeError("HessianAccumulator.add after hessian()/drift(): the sums are closed")
         x = x.reshape(-1, x.shape[-1]).float()
+        if self.h is None:
+            self.h = torch.zeros(self.k, self.k, dtype=torch.float32, device=x.device)
         self.h.addmm_(x.t(), x)  # fp32 products, summed per batch (a few thousand tokens each)
         if x_fp is not None:
             if self.d is None:
@@ -34,10 +43,17 @@ class HessianAccumulator:
         self.count += x.shape[0]
 
     def hessian(self) -> torch.Tensor:
-        return (2.0 / max(self.count, 1)) * self.h.double()
+        if self._hessian is None:
+            h, self.h = self.h, None
+            self._hessian = torch.zeros(self.k, self.k, dtype=torch.float64) if h is None else \
+                (2.0 / max(self.count, 1)) * h.double()
+        return self._hessian
 
     def drift(self) -> torch.Tensor | None:
-        return None if self.d is None else (2.0 / max(self.count, 1)) * self.d.double()
+        if self._drift is None and self.d is not None:
+            d, self.d = self.d, None
+            self._drift = (2.0 / max(self.count, 1)) * d.double()
+        return self._drift
 
 
 def drift_target(weight: torch.Tensor, hessian: torch.Tensor, drift: torch.Tensor, alpha: float,
@@ -46,9 +62,9 @@ def drift_target(weight: torch.Tensor, hessian: torch.Tensor, drift: torch.Tenso
     ``x_fp``: ``min_Q sum |Q x - W x_fp|^2`` equals ``sum |(Q - W*) x|^2`` plus a constant, with the least-squares
     ``W* = W + W D H^-1`` (``D = sum (x_fp - x) x^T``, ``H = sum x x^T``, damped as GPTQ damps it). ``alpha``
     scales the correction (1 = the full least-squares target; less trusts a small calibration set less)."""
-    h = hessian.double().clone()
-    h += damp * torch.mean(torch.diag(h)) * torch.eye(h.shape[0], dtype=h.dtype)
-    corr = torch.linalg.solve(h, drift.double().t()).t()  # D H^-1 (H symmetric)
+    h = hessian.to(device=weight.device, dtype=torch.float64).clone()
+    h.diagonal().add_(damp * torch.mean(torch.diag(h)))  # = h + damp * mean(diag) * I, without an identity matrix
+    corr = torch.linalg.solve(h, drift.to(device=weight.device, dtype=torch.float64).t()).t()  # D H^-1 (H symmetric)
     w = weight.detach().double()
     return (w + alpha * (w @ corr)).to(weight.dtype)
 
@@ -88,7 +104,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
     """Torch-layout ``weight [N, K]`` + ``hessian [K, K]`` -> CanonicalWeight (``g_idx`` set for act-order)."""
     w = weight.detach().float().clone()
     n, k = w.shape
-    h = hessian.double().clone()
+    h = hessian.to(device=w.device, dtype=torch.float64).clone()
     dead = torch.diag(h) == 0
     h[dead, dead] = 1
     w[:, dead] = 0
@@ -97,14 +113,23 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
     static: list[tuple[torch.Tensor, torch.Tensor]] = []
     if static_groups:
         static = [_group_params(w[:, i:i + g], bits, sym, scale_dtype, mse) for i in range(0, k, g)]
-    perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(k)
-    w, h = w[:, perm], h[perm][:, perm]
-    h += damp * torch.mean(torch.diag(h)) * torch.eye(k, dtype=h.dtype)
-    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
-    codes = torch.zeros(n, k, dtype=torch.uint8)
+    dev = w.device
+    if act_order:
+        perm = torch.argsort(torch.diag(h), descending=True)
+        w, h = w[:, perm], h[perm]
+        h = h[:, perm]  # two steps: one fewer K x K float64 copy alive at a time
+    else:
+        perm = torch.arange(k, device=dev)
+    perm_cols = perm.tolist() if static_groups else []
+    h.diagonal().add_(damp * torch.mean(torch.diag(h)))  # = h + damp * mean(diag) * I, without an identity matrix
+    hinv = torch.linalg.cholesky(h)
+    del h  # each K x K float64 step frees the one before it
+    hinv = torch.cholesky_inverse(hinv)
+    hinv = torch.linalg.cholesky(hinv, upper=True).float()
+    codes = torch.zeros(n, k, dtype=torch.uint8, device=dev)
     ng = num_groups(k, group_size)
-    scales = torch.ones(ng, n)
-    zeros = torch.zeros(ng, n)
+    scales = torch.ones(ng, n, device=dev)
+    zeros = torch.zeros(ng, n, device=dev)
     scale = zero = None
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
@@ -114,7 +139,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
         for i in range(i2 - i1):
             col = i1 + i
             if static_groups:
-                gid = int(perm[col]) // g
+                gid = perm_cols[col] // g
                 scale, zero = static[gid]
                 scales[gid], zeros[gid] = scale, zero
             elif col % g == 0:

@@ -8,18 +8,19 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from tqdm import tqdm
 
 from lqe.quant_layers.canonical import CanonicalWeight
 from tools.convert import writer
 from tools.convert.awq import AWQ_MAPPINGS, awq_layer
-from tools.convert.blocks import SEQUENTIAL, BlockRunner, decoder_layers, input_hooks, linear_groups
+from tools.convert.blocks import SEQUENTIAL, BlockRunner, input_hooks, linear_groups, slice_batch
 from tools.convert.calib_data import calibration_ids
 from tools.convert.export import ExportReport, linear_names, write_checkpoint
 from tools.convert.gptq import HessianAccumulator, drift_target, gptq_quantize
 from tools.convert.rtn import rtn_canonical
 from tools.convert.smoothquant import SQ_MAPPINGS, smooth_layer
 from tools.convert.spec import ConvertError, ExportSpec
+from tools.convert.streaming import (CalibModel, ResidentModel, StreamedModel, canonical_to, fp32_matmuls,
+                                     resolve_device, writer_tensors)
 
 logger = logging.getLogger("lqe.convert")
 METHODS = ("rtn", "gptq", "awq", "smoothquant")
@@ -36,6 +37,8 @@ class CalibOptions:
     batch_size: int = 8
     awq_duo: bool = False  # AWQ: s = mean|x|^a / mean|w~|^(1-a) (AutoAWQ's form) instead of the paper's mean|x|^a
     awq_tokens: int = 2048  # AWQ: calibration tokens (whole sequences) on which each scale's loss is measured
+    device: str = "auto"  # where calibration runs: auto (cuda when available), cpu, cuda, cuda:N
+    offload_activations: bool = False  # keep the calibration activations in CPU memory between layer runs
 
 
 @dataclass(slots=True)
@@ -43,6 +46,8 @@ class QuantizeResult:
     canon: dict[str, CanonicalWeight]
     seconds: float
     notes: dict[str, float] = field(default_factory=dict)
+    layer_errors: list[float | None] = field(default_factory=list)  # per decoder layer (see streaming.LayerErrorProbe)
+    layer_seconds: list[float] = field(default_factory=list)  # per decoder layer, wall time
 
 
 def _set_weight(module: torch.nn.Module, cw: CanonicalWeight) -> None:
@@ -61,38 +66,34 @@ def _stop_at(names: list[str]) -> str | None:
     return max(names, key=_ORDER.index)
 
 
-def _slice_batch(obj, m: int, batch: int):
-    """The first ``m`` sequences of a decoder layer's keyword argument (tensors of 2+ dims whose dim 0 is the batch:
-    masks, rotary tables; 1-D ones such as ``cache_position`` run over positions)."""
-    if isinstance(obj, torch.Tensor):
-        return obj[:m] if obj.dim() >= 2 and obj.shape[0] == batch and batch != m else obj
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_slice_batch(o, m, batch) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _slice_batch(v, m, batch) for k, v in obj.items()}
-    return obj
+_slice_batch = slice_batch  # the first m sequences of a decoder layer's keyword argument
 
 
 @torch.no_grad()
-def calibrate(model: torch.nn.Module, input_ids: torch.Tensor | None, method: str, spec: ExportSpec,
+@fp32_matmuls()
+def calibrate(model: torch.nn.Module | CalibModel, input_ids: torch.Tensor | None, method: str, spec: ExportSpec,
               opts: CalibOptions, names: list[str]) -> QuantizeResult:
-    """Quantize ``model`` in place (weights replaced by their dequantized values, scales folded); returns the
-    CanonicalWeight of every layer in ``names``."""
+    """Quantize the decoder layers one by one (weights replaced by their dequantized values, scales folded); returns
+    the CanonicalWeight of every layer in ``names``, on the CPU. ``model``: a :class:`~.streaming.StreamedModel`
+    (layers read from the checkpoint onto its device one at a time; their float state kept by it) or a whole
+    model, calibrated in place on its own device."""
     t0 = time.time()
+    source = model if isinstance(model, CalibModel) else ResidentModel(model)
+    model = source.model
     sdt = spec.resolve_scale_dtype()
     canon: dict[str, CanonicalWeight] = {}
     notes: dict[str, float] = {}
-    modules = dict(model.named_modules())
-    if method == "rtn":
-        for name in tqdm(names, desc="rtn", leave=False):
-            canon[name] = rtn_canonical(modules[name].weight, spec.bits, spec.group_size, spec.sym, sdt)
-        return QuantizeResult(canon, time.time() - t0)
     drift = method == "gptq" and spec.drift_alpha > 0
-    runner = BlockRunner(model, input_ids, opts.batch_size, track_float=drift)
-    layers = decoder_layers(model)
-    layer_prefix = next(n for n, m in model.named_modules() if m is layers)
-    for i, layer in enumerate(tqdm(layers, desc=method, unit="layer")):
-        prefix = f"{layer_prefix}.{i}."
+    runner = None if method == "rtn" else BlockRunner(model, input_ids, opts.batch_size, track_float=drift,
+                                                      offload=opts.offload_activations)
+    source.capture_done()
+    for i, layer in source.iter_layers(canon, method, runner):
+        prefix = f"{source.layer_name(i)}."
+        if method == "rtn":
+            for n, m in layer.named_modules():
+                if isinstance(m, torch.nn.Linear):
+                    canon[prefix + n] = rtn_canonical(m.weight, spec.bits, spec.group_size, spec.sym, sdt)
+            continue
         groups = linear_groups(layer)
         lin = dict(layer.named_modules())
         fp_layer = copy.deepcopy(layer) if drift else None
@@ -154,14 +155,28 @@ def calibrate(model: torch.nn.Module, input_ids: torch.Tensor | None, method: st
                     _set_weight(lin[n], cw)
                     canon[prefix + n] = cw
         runner.advance(layer, fp_layer)
+        fp_layer = None  # the float copy goes before the next layer arrives
+    runner = None  # and the activations before what follows the layers
+    source.finish()
     missing = [n for n in names if n not in canon]
     for n in missing:  # linears outside the decoder layers (e.g. a quantized lm_head): RTN
-        canon[n] = rtn_canonical(modules[n].weight, spec.bits, spec.group_size, spec.sym, sdt)
-    return QuantizeResult({n: canon[n] for n in names}, time.time() - t0, notes)
+        cw = rtn_canonical(source.weight(n), spec.bits, spec.group_size, spec.sym, sdt)
+        canon[n] = canonical_to(cw, "cpu")
+    return QuantizeResult({n: canon[n] for n in names}, time.time() - t0, notes, source.layer_errors,
+                          source.layer_seconds)
 
 
 def quantize_checkpoint(model_dir: str, out_dir: str, method: str, spec: ExportSpec, opts: CalibOptions | None = None,
-                        overwrite: bool = False) -> tuple[ExportReport, QuantizeResult]:
+                        overwrite: bool = False, *, device: str | torch.device | None = None, stream: bool = True,
+                        input_ids: torch.Tensor | None = None) -> tuple[ExportReport, QuantizeResult]:
+    """Calibrate ``model_dir`` with ``method`` and write the checkpoint to ``out_dir``.
+
+    ``device`` (default ``opts.device``): where calibration runs (``auto`` = cuda when a GPU is visible, else cpu).
+    The float checkpoint is streamed: one decoder layer on the device at a time, the rest read from the shards when
+    the writer needs it.
+    ``stream=False`` loads the whole model with ``from_pretrained`` and calibrates it in place on the CPU instead (the
+    reference the streaming path is tested against). ``input_ids [num_samples, seq_len]`` replace the calibration
+    text of ``opts`` (benchmarks calibrate on random tokens)."""
     from transformers import AutoModelForCausalLM
 
     opts = opts or CalibOptions()
@@ -179,18 +194,31 @@ def quantize_checkpoint(model_dir: str, out_dir: str, method: str, spec: ExportS
         raise ConvertError(f"--drift-alpha {spec.drift_alpha} must be in [0, 1] (0 = plain GPTQ, 1 = full correction)")
     if spec.drift_alpha and method != "gptq":
         raise ConvertError(f"--drift-alpha applies to --method gptq, not {method}")
+    dev = resolve_device(opts.device if device is None else device)
+    if not stream and dev.type != "cpu":
+        raise ConvertError(f"the whole-model reference path (stream=False) runs on the CPU, not {dev}")
     writer.check_out_dir(out_dir, overwrite)
-    orig = writer.load_state_dict(model_dir)
-    names = linear_names(orig, spec.quantize_lm_head)
+    reader = writer.CheckpointReader(model_dir)  # shard headers only
+    names = linear_names(reader.meta, spec.quantize_lm_head)
     for name in names:
-        spec.check_layer(name, *orig[name + ".weight"].shape)
-    ids = None if method == "rtn" else calibration_ids(model_dir, opts.calib, opts.num_samples, opts.seq_len, opts.seed)
+        spec.check_layer(name, *reader.meta[name + ".weight"].shape)
+    if method == "rtn":
+        ids = None
+    elif input_ids is not None:
+        ids = input_ids
+    else:
+        ids = calibration_ids(model_dir, opts.calib, opts.num_samples, opts.seq_len, opts.seed)
     torch.manual_seed(opts.seed)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval().requires_grad_(False)
-    result = calibrate(model, ids, method, spec, opts, names)
-    msd = model.state_dict()
-    sd = {k: (msd[k].to(t.dtype) if k in msd else t) for k, t in orig.items()}
-    report = write_checkpoint(model_dir, out_dir, sd, result.canon, spec, overwrite)
+    if stream:
+        logger.info("%s calibration on %s, streaming %s layer by layer", method, dev, model_dir)
+        source = StreamedModel(model_dir, dev, reader)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model.eval().requires_grad_(False)
+        source = ResidentModel(model)
+    result = calibrate(source, ids, method, spec, opts, names)
+    sd = writer_tensors(reader, source.float_state(result.canon), result.canon)
+    del source
+    report = write_checkpoint(model_dir, out_dir, sd, result.canon, spec, overwrite, src_dtype=reader.float_dtype())
     logger.info("%s calibration took %.1f s", method, result.seconds)
     return report, result

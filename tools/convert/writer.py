@@ -43,6 +43,67 @@ def load_state_dict(model_dir: str) -> dict[str, torch.Tensor]:
     return sd
 
 
+# safetensors dtype names (``PySafeSlice.get_dtype()``) -> torch
+ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+             "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+class CheckpointReader:
+    """A safetensors checkpoint read lazily: construction reads the shard headers only (``meta``: every tensor as a
+    meta tensor of its shape and dtype, in the order :func:`load_state_dict` gives); :meth:`get` / :meth:`get_many`
+    read the tensors asked for, one shard opened at a time."""
+
+    def __init__(self, model_dir: str) -> None:
+        self.model_dir = model_dir
+        self.files: dict[str, str] = {}
+        self.meta: dict[str, torch.Tensor] = {}
+        for path in safetensors_files(model_dir):
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():
+                    sl = f.get_slice(key)
+                    dtype = ST_DTYPES.get(sl.get_dtype())
+                    if dtype is None:
+                        raise ConvertError(f"{path}: tensor {key!r} has dtype {sl.get_dtype()}, which tools.convert "
+                                           "does not read")
+                    self.files[key] = path
+                    self.meta[key] = torch.empty(sl.get_shape(), dtype=dtype, device="meta")
+
+    def keys(self) -> list[str]:
+        return list(self.meta)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.meta
+
+    def float_dtype(self) -> torch.dtype:
+        """The first floating tensor's dtype: what :func:`tools.convert.export.write_checkpoint` calls the source dtype."""
+        return next((t.dtype for t in self.meta.values() if t.is_floating_point()), torch.float32)
+
+    def get_many(self, keys: list[str], device: torch.device | str | None = None,
+                 float_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """``keys`` read from their shards onto ``device``, floating tensors cast to ``float_dtype`` (on the device)."""
+        missing = [k for k in keys if k not in self.meta]
+        if missing:
+            raise ConvertError(f"{self.model_dir}: the checkpoint has no tensor {', '.join(missing[:4])}"
+                               f"{' ...' if len(missing) > 4 else ''}")
+        by_file: dict[str, list[str]] = {}
+        for k in keys:
+            by_file.setdefault(self.files[k], []).append(k)
+        out: dict[str, torch.Tensor] = {}
+        for path, ks in by_file.items():
+            with safe_open(path, framework="pt") as f:
+                for k in ks:
+                    t = f.get_tensor(k)
+                    if device is not None:
+                        t = t.to(device)
+                    out[k] = t.to(float_dtype) if float_dtype is not None and t.is_floating_point() else t
+        return {k: out[k] for k in keys}
+
+    def get(self, key: str, device: torch.device | str | None = None,
+            float_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.get_many([key], device, float_dtype)[key]
+
+
 def read_config(model_dir: str) -> dict[str, Any]:
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise ConvertError(f"{model_dir!r} is not a Hugging Face model directory (no config.json)")

@@ -20,14 +20,14 @@ def rtn_quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool, g_
     k, n = w.shape
     maxq = (1 << bits) - 1
     if g_idx is None:
-        gi = torch.arange(k) // (k if group_size == -1 else group_size)
+        gi = torch.arange(k, device=w.device) // (k if group_size == -1 else group_size)
     else:
         gi = g_idx.long()
     num_groups = int(gi.max()) + 1
     # per-group min/max over the rows of each group
     idx = gi.view(k, 1).expand(k, n)
-    wmin = torch.zeros(num_groups, n).scatter_reduce(0, idx, w, "amin", include_self=True)
-    wmax = torch.zeros(num_groups, n).scatter_reduce(0, idx, w, "amax", include_self=True)
+    wmin = torch.zeros(num_groups, n, device=w.device).scatter_reduce(0, idx, w, "amin", include_self=True)
+    wmax = torch.zeros(num_groups, n, device=w.device).scatter_reduce(0, idx, w, "amax", include_self=True)
     if sym:
         absmax = torch.maximum(wmin.abs(), wmax.abs())
         scale = 2 * absmax / maxq

@@ -1,0 +1,219 @@
+"""Rotations of the residual stream absorbed into the weights (QuaRot, Ashkboos et al. 2024; SpinQuant R1/R2,
+Liu et al. 2024), written from the papers: the float model computes the same function, but every linear that
+reads or writes the residual stream sees its weights multiplied by an orthogonal ``Q``, which spreads outlier
+input channels over all channels and makes the weights far easier to quantize. Nothing is added at run time:
+the checkpoint keeps the architecture and its config keys.
+
+With ``x' = x Q`` for the residual stream (``Q`` orthogonal, so ``rms(x Q) = rms(x)`` and RMSNorm commutes with
+the rotation once its weight ``gamma`` is folded into the next linears):
+
+* embedding ``E -> E Q``;
+* per decoder layer: ``input_layernorm`` folded into q/k/v and ``post_attention_layernorm`` into gate/up (their
+  weights set to 1), then readers ``W -> W Q`` (torch layout ``[N, K]``) and writers o_proj / down_proj
+  ``W -> Q^T W``, ``b -> b Q``; optionally (R2) one ``head_dim`` rotation ``R`` per head between v_proj and
+  o_proj: v rows ``W_h -> R^T W_h``, o_proj columns ``W[:, h] -> W[:, h] R``;
+* the final norm folded into the LM head, ``W -> W diag(gamma) Q``. Tied embeddings are untied (the head
+  ``E diag(gamma) Q`` differs from the rotated embedding ``E Q``): ``lm_head.weight`` is written and
+  ``tie_word_embeddings`` becomes false.
+
+Each step is its own function (:func:`rotate_embedding`, :func:`rotate_layer`, :func:`rotate_head`), so a caller
+that loads the model layer by layer rotates each layer when it arrives. Arithmetic is float64.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from torch import nn
+
+from tools.convert.spec import ConvertError
+
+ROTATIONS = ("hadamard", "orthogonal")
+READERS = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+           "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")}
+WRITERS = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def _is_prime(p: int) -> bool:
+    return p >= 2 and all(p % d for d in range(2, int(math.isqrt(p)) + 1))
+
+
+def _jacobsthal(q: int) -> torch.Tensor:
+    """``Q[i, j] = chi(j - i)`` with chi the quadratic character mod the prime ``q``."""
+    squares = {(x * x) % q for x in range(1, q)}
+    chi = torch.tensor([0] + [1 if d in squares else -1 for d in range(1, q)], dtype=torch.float64)
+    idx = (torch.arange(q)[None, :] - torch.arange(q)[:, None]) % q
+    return chi[idx]
+
+
+def _paley(n: int) -> torch.Tensor | None:
+    """A Hadamard matrix of order ``n`` from Paley's constructions (I: ``n = q + 1``, q prime = 3 mod 4; II:
+    ``n = 2 (q + 1)``, q prime = 1 mod 4), or None."""
+    q = n - 1
+    if _is_prime(q) and q % 4 == 3:
+        s = torch.zeros(n, n, dtype=torch.float64)
+        s[0, 1:], s[1:, 0], s[1:, 1:] = 1, -1, _jacobsthal(q)
+        return s + torch.eye(n, dtype=torch.float64)
+    q = n // 2 - 1
+    if n % 2 == 0 and _is_prime(q) and q % 4 == 1:
+        c = torch.zeros(q + 1, q + 1, dtype=torch.float64)
+        c[0, 1:], c[1:, 0], c[1:, 1:] = 1, 1, _jacobsthal(q)
+        a = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+        b = torch.tensor([[1.0, -1.0], [-1.0, -1.0]], dtype=torch.float64)
+        return torch.kron(c, a) + torch.kron(torch.eye(q + 1, dtype=torch.float64), b)
+    return None
+
+
+@lru_cache(maxsize=None)
+def _hadamard(n: int) -> torch.Tensor | None:
+    if n == 1:
+        return torch.ones(1, 1, dtype=torch.float64)
+    if n == 2:
+        return torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+    if n % 4:
+        return None
+    half = _hadamard(n // 2)
+    if half is not None:  # Sylvester doubling
+        return torch.kron(_hadamard(2), half)
+    base = _paley(n)
+    if base is not None:
+        if not torch.equal(base @ base.t(), n * torch.eye(n, dtype=torch.float64)):
+            raise ConvertError(f"internal error: the Paley matrix of order {n} is not a Hadamard matrix")
+        return base
+    for d in [d for d in range(4, n // 4 + 1) if n % d == 0]:  # Kronecker products
+        left, right = _hadamard(d), _hadamard(n // d)
+        if left is not None and right is not None:
+            return torch.kron(left, right)
+    return None
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """An ``n x n`` Hadamard matrix (entries +-1, ``H H^T = n I``), float64, built from Sylvester doubling, Paley
+    I/II and Kronecker products; ConvertError when none of those reaches ``n``."""
+    h = _hadamard(n)
+    if h is None:
+        raise ConvertError(f"no Hadamard matrix of order {n} from Sylvester/Paley constructions; use --rotate orthogonal")
+    return h.clone()  # Kronecker products of Hadamard matrices are Hadamard: only the Paley bases need checking
+
+
+def rotation_matrix(kind: str, n: int, seed: int = 0) -> torch.Tensor:
+    """Orthogonal ``[n, n]`` float64: ``hadamard`` = ``diag(random signs) H / sqrt(n)`` (QuaRot's randomized
+    Hadamard), ``orthogonal`` = Q of the QR of a Gaussian matrix (signs fixed so it is Haar-distributed)."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "hadamard":
+        signs = torch.randint(0, 2, (n,), generator=gen).double() * 2 - 1
+        return signs[:, None] * hadamard(n) / math.sqrt(n)
+    if kind == "orthogonal":
+        q, r = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
+        return q * torch.sign(torch.diagonal(r))[None, :]
+    raise ConvertError(f"unknown rotation {kind!r}; choose one of {ROTATIONS}")
+
+
+@dataclass(slots=True)
+class Rotation:
+    """The residual-stream rotation ``q [hidden, hidden]`` and the optional per-head rotation ``head [d, d]``."""
+    q: torch.Tensor
+    head: torch.Tensor | None = None
+
+    @classmethod
+    def build(cls, kind: str, hidden: int, head_dim: int | None = None, seed: int = 0) -> "Rotation":
+        return cls(rotation_matrix(kind, hidden, seed),
+                   None if head_dim is None else rotation_matrix(kind, head_dim, seed + 1))
+
+
+def _mul_(param: torch.Tensor, fn) -> None:
+    with torch.no_grad():
+        param.copy_(fn(param.detach().double()).to(param.dtype))
+
+
+def fold_norm(norm: nn.Module, linears: list[nn.Linear]) -> None:
+    """``W -> W diag(gamma)`` for the linears reading ``norm``'s output; ``gamma -> 1`` (same float function)."""
+    gamma = norm.weight.detach().double()
+    for lin in linears:
+        _mul_(lin.weight, lambda w: w * gamma[None, :])
+    with torch.no_grad():
+        norm.weight.fill_(1.0)
+
+
+def _kv_layout(layer: nn.Module) -> tuple[int, int]:
+    attn = layer.self_attn
+    d = getattr(attn, "head_dim", None) or attn.config.hidden_size // attn.config.num_attention_heads
+    return d, attn.o_proj.in_features // d
+
+
+@torch.no_grad()
+def rotate_layer(layer: nn.Module, rot: Rotation) -> None:
+    """Rotate one Llama/Qwen decoder layer in place (norms folded into their readers first)."""
+    mods = dict(layer.named_modules())
+    missing = [n for n in (*READERS, *(r for rs in READERS.values() for r in rs), *WRITERS) if n not in mods]
+    if missing:
+        raise ConvertError(f"--rotate needs a Llama/Qwen decoder layer; {type(layer).__name__} lacks {', '.join(missing)}")
+    q = rot.q
+    for norm, readers in READERS.items():
+        lins = [mods[n] for n in readers]
+        if getattr(mods[norm], "bias", None) is not None:
+            raise ConvertError(f"--rotate: {norm} has a bias (LayerNorm); only RMSNorm models can be rotated")
+        fold_norm(mods[norm], lins)
+        for lin in lins:
+            _mul_(lin.weight, lambda w: w @ q)
+    for name in WRITERS:
+        lin = mods[name]
+        _mul_(lin.weight, lambda w: q.t() @ w)
+        if lin.bias is not None:
+            _mul_(lin.bias, lambda b: b @ q)
+    if rot.head is not None:
+        r = rot.head
+        d, heads = _kv_layout(layer)
+        v, o = mods["self_attn.v_proj"], mods["self_attn.o_proj"]
+        if r.shape[0] != d or v.out_features % d:
+            raise ConvertError(f"--rotate-heads: head_dim {d} does not match the head rotation {tuple(r.shape)}")
+        _mul_(v.weight, lambda w: (r.t() @ w.reshape(-1, d, w.shape[1])).reshape(w.shape))
+        if v.bias is not None:
+            _mul_(v.bias, lambda b: (b.reshape(-1, d) @ r).reshape(-1))
+        _mul_(o.weight, lambda w: (w.reshape(w.shape[0], heads, d) @ r).reshape(w.shape))
+
+
+def _untie(model: nn.Module) -> None:
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is not None and head.weight is emb.weight:
+        head.weight = nn.Parameter(emb.weight.detach().clone(), requires_grad=False)
+    model.config.tie_word_embeddings = False
+    text = getattr(model.config, "get_text_config", lambda: None)()
+    if text is not None:
+        text.tie_word_embeddings = False
+
+
+def rotate_embedding(model: nn.Module, rot: Rotation) -> None:
+    """``E -> E Q`` (the head is untied first when it shares the embedding's tensor)."""
+    _untie(model)
+    _mul_(model.get_input_embeddings().weight, lambda e: e @ rot.q)
+
+
+def rotate_head(model: nn.Module, rot: Rotation) -> None:
+    """Fold the final norm into the LM head and rotate it: ``W -> W diag(gamma) Q`` (untied first)."""
+    _untie(model)
+    inner = getattr(model, "model", model)
+    norm, head = inner.norm, model.get_output_embeddings()
+    if getattr(norm, "bias", None) is not None:
+        raise ConvertError("--rotate: the final norm has a bias (LayerNorm); only RMSNorm models can be rotated")
+    fold_norm(norm, [head])
+    _mul_(head.weight, lambda w: w @ rot.q)
+
+
+def rotate_model(model: nn.Module, rot: Rotation) -> None:
+    """The whole float model at once (embedding, every decoder layer, head)."""
+    from tools.convert.blocks import decoder_layers
+
+    rotate_embedding(model, rot)
+    for layer in decoder_layers(model):
+        rotate_layer(layer, rot)
+    rotate_head(model, rot)
+
+
+def model_rotation(model: nn.Module, kind: str, heads: bool = False, seed: int = 0) -> Rotation:
+    """The :class:`Rotation` for ``model``'s hidden size (and head_dim with ``heads``)."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return Rotation.build(kind, cfg.hidden_size, head_dim if heads else None, seed)
