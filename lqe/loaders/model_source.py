@@ -80,6 +80,9 @@ def convert_gguf(gguf_dir: str, gguf_file: str, out: str) -> None:
 
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(out))
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(tmp, 0o777 & ~mask)  # mkdtemp makes 0700: the converted model gets a directory's usual permissions
     try:
         tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
         src = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file)

@@ -159,3 +159,17 @@ def _edit_config(d, **kv):
 def test_quantize_option_limits(tiny_llama_dir, tmp_path, capsys, args, msg):
     assert main(["quantize", "--model", tiny_llama_dir, "--out", str(tmp_path / "out"), *args]) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_output_has_the_usual_permissions(fq, tmp_path):
+    """The checkpoint directory and its files get the permissions the umask gives any new file (the staging
+    directory is made by mkdtemp, 0700, and renamed into place: without a chmod, other users could not read it)."""
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "out"
+        export_checkpoint(fq, str(out), "gptq_v2", 4, 32, False)
+    finally:
+        os.umask(old)
+    assert os.stat(out).st_mode & 0o777 == 0o755
+    for f in os.listdir(out):
+        assert os.stat(out / f).st_mode & 0o777 == 0o644, f

@@ -123,8 +123,12 @@ def staging_dir(out_dir: str, overwrite: bool) -> Iterator[str]:
     parent = os.path.dirname(os.path.abspath(out_dir)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="." + os.path.basename(os.path.abspath(out_dir)) + ".tmp-", dir=parent)
+    mask = _umask()
+    os.chmod(tmp, 0o777 & ~mask)  # mkdtemp makes 0700: the checkpoint gets a directory's usual permissions
     try:
         yield tmp
+        for name in os.listdir(tmp):  # and its files a file's (safetensors writes 0600)
+            os.chmod(os.path.join(tmp, name), 0o666 & ~mask)
         if os.path.exists(out_dir):
             old = tmp + ".old"
             os.rename(out_dir, old)
@@ -135,6 +139,12 @@ def staging_dir(out_dir: str, overwrite: bool) -> Iterator[str]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _nbytes(t: torch.Tensor) -> int:
