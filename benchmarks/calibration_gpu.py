@@ -6,7 +6,8 @@ Per method it records the calibration seconds, the seconds with the writer, the 
 ``torch.cuda.max_memory_allocated``, the median seconds per decoder layer, and against them a floor counted
 first: the fp32 FLOPs of the Hessian sums, the layer forwards GPTQ runs and the GPTQ updates, and the fp64 FLOPs of
 the Cholesky factorizations, over the fp32 / fp64 matmul rates measured in this process, plus the launch-bound
-column loop of GPTQ (about 13 small kernels per weight column). With ``--layers N`` below the shape's count the
+column loop of GPTQ (about 13 small kernels per weight column, at the launch time measured here), which runs after
+the sums and so adds to them. With ``--layers N`` below the shape's count the
 checkpoint has N layers and ``extrapolated_seconds`` = fixed part + median layer time x the shape's layer count.
 
 Results go to ``benchmarks/results/calibration-<gpu>.json`` (``calibration-cpu.json`` without a GPU); rows of
@@ -163,7 +164,7 @@ def layer_floor(fields: dict, tokens: int, seq_len: int, method: str, rates: dic
     launch = columns * KERNELS_PER_COLUMN * rates["launch_s"]
     return {"forward_tflop": forward / 1e12, "hessian_tflop": hessian / 1e12, "gptq_update_tflop": update / 1e12,
             "cholesky_fp64_tflop": chol / 1e12, "gptq_columns": columns, "flop_floor_s": floor,
-            "launch_floor_s": launch, "floor_s": max(floor, launch) if method == "gptq" else floor}
+            "launch_floor_s": launch, "floor_s": floor + launch}  # serial phases: the column loop waits for the sums
 
 
 # ------------------------------------------------------------------------------------------------ main

@@ -6,7 +6,6 @@ import importlib.util
 import json
 import os
 import re
-import stat
 
 import pytest
 import torch

@@ -15,8 +15,8 @@ from devsim import SIM_DEVICE, DeviceSim
 from tools.convert import ConvertError, ExportSpec
 from tools.convert.export import linear_names
 from tools.convert.quantize import CalibOptions, calibrate, quantize_checkpoint
-from tools.convert.streaming import StreamedModel, resolve_device, writer_tensors
-from tools.convert.writer import CheckpointReader
+from tools.convert.streaming import StreamedModel, resolve_device
+from tools.convert.writer import CheckpointReader, writer_tensors
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CPU = torch.device("cpu")
@@ -165,6 +165,31 @@ def test_one_decoder_layer_at_a_time(tiny_qwen2_dir, method, spec_kw):
     state = source.float_state(res.canon)
     assert not any(k.rpartition(".")[0] in res.canon and k.endswith(".weight") for k in state)
     assert "model.layers.1.input_layernorm.weight" in state and "lm_head.weight" in state
+
+
+@pytest.mark.parametrize("method,spec_kw", [("gptq", dict(fmt="gptq", group_size=32, drift_alpha=0.25)),
+                                            ("awq", dict(fmt="awq", group_size=32, sym=False))])
+def test_progress_probe_changes_nothing(tiny_llama_dir, monkeypatch, method, spec_kw):
+    """The progress bar's error probe runs the float layer on a few sequences: the method's statistics hooks must not
+    see that forward (the codes equal those of a run without the probe)."""
+    import tools.convert.streaming as streaming
+
+    spec = ExportSpec(**spec_kw)
+    names = linear_names(CheckpointReader(tiny_llama_dir).meta)
+    with_probe = calibrate(StreamedModel(tiny_llama_dir, CPU), _ids(), method, spec, _opts(), names)
+
+    class NoProbe:
+        def __init__(self, runner):
+            pass
+
+        def error(self):
+            return None
+
+    monkeypatch.setattr(streaming, "LayerErrorProbe", NoProbe)
+    without = calibrate(StreamedModel(tiny_llama_dir, CPU), _ids(), method, spec, _opts(), names)
+    assert all(e is not None for e in with_probe.layer_errors) and without.layer_errors == [None, None]
+    assert all(torch.equal(cw.codes, without.canon[n].codes) and torch.equal(cw.scales, without.canon[n].scales)
+               for n, cw in with_probe.canon.items())
 
 
 def test_tied_head_is_written_only_when_untied(tiny_llama_dir):

@@ -23,14 +23,17 @@ SMALL = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_
 # bound of test_peak_memory_is_about_one_layer
 DEEP = dict(hidden_size=384, intermediate_size=768, num_attention_heads=6, num_key_value_heads=2, vocab_size=256,
             num_hidden_layers=24, initializer_range=0.05, tie_word_embeddings=False)
-# name: (method, ExportSpec fields, codes compared: the fraction that must be equal, or None = quality only)
+# name: (method, ExportSpec fields, codes compared: the fraction that must be equal or None = quality only,
+#        CalibOptions fields of the CUDA run)
 CASES = {
-    "gptq-sym": ("gptq", dict(fmt="gptq", group_size=32), 0.9),
-    "gptq-asym-drift": ("gptq", dict(fmt="gptq_v2", group_size=32, sym=False, drift_alpha=0.25), 0.9),
-    "gptq-act-static-mse": ("gptq", dict(fmt="gptq", group_size=32, desc_act=True, static_groups=True, mse=True), None),
-    "awq": ("awq", dict(fmt="awq", group_size=32, sym=False), 0.9),
-    "smoothquant": ("smoothquant", dict(fmt="w8a8", bits=8, group_size=-1), 0.99),
-    "rtn-lmhead": ("rtn", dict(fmt="gptq", group_size=32, quantize_lm_head=True), 0.999),
+    "gptq-sym": ("gptq", dict(fmt="gptq", group_size=32), 0.9, {}),
+    "gptq-sym-offload": ("gptq", dict(fmt="gptq", group_size=32), 0.9, dict(offload_activations=True)),
+    "gptq-asym-drift": ("gptq", dict(fmt="gptq_v2", group_size=32, sym=False, drift_alpha=0.25), 0.9, {}),
+    "gptq-act-static-mse": ("gptq", dict(fmt="gptq", group_size=32, desc_act=True, static_groups=True, mse=True),
+                            None, {}),
+    "awq": ("awq", dict(fmt="awq", group_size=32, sym=False), 0.9, dict(awq_clip=True)),
+    "smoothquant": ("smoothquant", dict(fmt="w8a8", bits=8, group_size=-1), 0.99, dict(offload_activations=True)),
+    "rtn-lmhead": ("rtn", dict(fmt="gptq", group_size=32, quantize_lm_head=True), 0.999, {}),
 }
 
 
@@ -50,11 +53,12 @@ def _ids(vocab: int, n: int, t: int) -> torch.Tensor:
     return torch.randint(0, vocab, (n, t), generator=torch.Generator().manual_seed(0))
 
 
-def _quantize(model_dir: str, out: str, method: str, spec_kw: dict, device: str, ids: torch.Tensor, batch: int = 4):
+def _quantize(model_dir: str, out: str, method: str, spec_kw: dict, device: str, ids: torch.Tensor, batch: int = 4,
+              **opts_kw):
     from tools.convert import ExportSpec
     from tools.convert.quantize import CalibOptions, quantize_checkpoint
 
-    opts = CalibOptions(num_samples=ids.shape[0], seq_len=ids.shape[1], batch_size=batch, device=device)
+    opts = CalibOptions(num_samples=ids.shape[0], seq_len=ids.shape[1], batch_size=batch, device=device, **opts_kw)
     return quantize_checkpoint(model_dir, out, method, ExportSpec(**spec_kw), opts, overwrite=True, input_ids=ids)[1]
 
 
@@ -70,9 +74,11 @@ def _tensors(d: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_cuda_calibration_matches_cpu(checkpoints, tmp_path, case):
-    method, spec_kw, min_equal = CASES[case]
+    method, spec_kw, min_equal, opts_kw = CASES[case]
     ids = _ids(SMALL["vocab_size"], 8, 64)
-    res = {dev: _quantize(checkpoints["small"], str(tmp_path / dev), method, spec_kw, dev, ids) for dev in ("cpu", "cuda")}
+    same = {k: v for k, v in opts_kw.items() if k != "offload_activations"}
+    res = {dev: _quantize(checkpoints["small"], str(tmp_path / dev), method, spec_kw, dev, ids,
+                          **(opts_kw if dev == "cuda" else same)) for dev in ("cpu", "cuda")}
     cpu, gpu = _tensors(str(tmp_path / "cpu")), _tensors(str(tmp_path / "cuda"))
     assert sorted(cpu) == sorted(gpu)
     assert all(cpu[k].shape == gpu[k].shape and cpu[k].dtype == gpu[k].dtype for k in cpu)

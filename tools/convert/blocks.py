@@ -5,12 +5,14 @@ quantize it, and feed the quantized layer's outputs to the next one. Activations
 input embedding (the calibration device); the layers themselves may come and go (see :mod:`.streaming`)."""
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
+logger = logging.getLogger("lqe.convert")
 # linears of a Llama/Qwen decoder layer in execution order, grouped by shared input (true-sequential order)
 SEQUENTIAL = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
               ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
@@ -59,7 +61,7 @@ class BlockRunner:
     ``input_ids`` may live anywhere: each batch goes to the device of the model's input embedding (``device``), where
     the layers run. ``offload`` keeps the stored activations in (pinned) CPU memory between runs, each batch copied
     to the device for its forward: the device then holds one batch instead of all of them. ``steps`` counts
-    :meth:`advance` calls."""
+    :meth:`advance` calls; :meth:`before_next_run` registers a callback for the next run's layer."""
 
     def __init__(self, model: nn.Module, input_ids: torch.Tensor, batch_size: int = 8, track_float: bool = False,
                  offload: bool = False) -> None:
@@ -69,6 +71,7 @@ class BlockRunner:
         self.kwargs: list[dict] = []
         self.fp_inputs: list[torch.Tensor] | None = None
         self.steps = 0
+        self._before_run: Callable[[nn.Module], None] | None = None
         first = self.layers[0]
         embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         device = embed.weight.device if embed is not None else next(model.parameters()).device
@@ -100,6 +103,7 @@ class BlockRunner:
         needed."""
         if keep_outputs and stop_at is not None:
             raise ValueError("keep_outputs needs the whole forward; drop stop_at")
+        self._fire(layer)
         outs = []
         handle = layer.get_submodule(stop_at).register_forward_pre_hook(_raise_stop) if stop_at is not None else None
         try:
@@ -122,6 +126,7 @@ class BlockRunner:
         stream) and in ``fp_layer`` (the float copy of the layer, fed the float stream)."""
         if self.fp_inputs is None:
             raise ValueError("run_paired needs BlockRunner(track_float=True)")
+        self._fire(layer)
         seen: dict[str, torch.Tensor] = {}
         fp_mods, mods = dict(fp_layer.named_modules()), dict(layer.named_modules())
         handles = [fp_mods[n].register_forward_pre_hook(lambda m, a, n=n: seen.__setitem__(n, a[0].detach()))
@@ -146,6 +151,7 @@ class BlockRunner:
     def advance(self, layer: nn.Module, fp_layer: nn.Module | None = None) -> None:
         """Replace the stored inputs by ``layer``'s outputs (call after quantizing it); with float tracking, the
         float stream by the outputs of ``fp_layer`` (the layer before quantization)."""
+        self._fire(layer)
         if self.fp_inputs is not None:
             if fp_layer is None:
                 raise ValueError("a BlockRunner tracking the float stream needs the float layer to advance")
@@ -159,6 +165,16 @@ class BlockRunner:
         for b, kw in enumerate(self.kwargs):
             y = layer(self.on_device(inputs[b]), **kw)
             inputs[b] = self.stored(y[0] if isinstance(y, tuple) else y)
+
+    def before_next_run(self, fn: Callable[[nn.Module], None]) -> None:
+        """``fn(layer)`` once, when :meth:`run`, :meth:`run_paired` or :meth:`advance` next starts on a layer: the
+        layer as calibration first sees it (after any transform of the loop body, before it is quantized)."""
+        self._before_run = fn
+
+    def _fire(self, layer: nn.Module) -> None:
+        fn, self._before_run = self._before_run, None
+        if fn is not None:
+            fn(layer)
 
     def stored(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` where the activations are kept (pinned host memory when offloading from a GPU)."""
@@ -199,9 +215,13 @@ def use_repeated_kv_attention(model: nn.Module) -> None:
     attention (``enable_gqa``) falls back to the math kernel, which materializes ``[batch, heads, T, T]`` scores
     (4 GiB for 8 x 2048 tokens of Llama-3-8B, twice that with the softmax); with the heads repeated the
     memory-efficient kernel runs. (The CPU keeps transformers' own sdpa: the reference numerics.)"""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError as e:  # a transformers without attention registries: its sdpa stays
+        logger.warning("calibration keeps transformers' sdpa attention (%s): fp32 grouped-query attention may take "
+                       "the math kernel and much GPU memory", e)
+        return
     AttentionInterface.register(CALIB_ATTENTION, sdpa_repeated_kv)
     AttentionMaskInterface.register(CALIB_ATTENTION, sdpa_mask)
     configs = {id(m.config): m.config for m in model.modules() if getattr(m, "config", None) is not None}

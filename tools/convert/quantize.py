@@ -16,11 +16,12 @@ from tools.convert.blocks import SEQUENTIAL, BlockRunner, input_hooks, linear_gr
 from tools.convert.calib_data import calibration_ids
 from tools.convert.export import ExportReport, linear_names, write_checkpoint
 from tools.convert.gptq import HessianAccumulator, drift_target, gptq_quantize
+from tools.convert.refine import refine_codes, refit_scales
 from tools.convert.rtn import rtn_canonical
 from tools.convert.smoothquant import SQ_MAPPINGS, smooth_layer
 from tools.convert.spec import ConvertError, ExportSpec
 from tools.convert.streaming import (CalibModel, ResidentModel, StreamedModel, canonical_to, fp32_matmuls,
-                                     resolve_device, writer_tensors)
+                                     resolve_device)
 
 logger = logging.getLogger("lqe.convert")
 METHODS = ("rtn", "gptq", "awq", "smoothquant")
@@ -38,6 +39,8 @@ class CalibOptions:
     awq_duo: bool = False  # AWQ: s = mean|x|^a / mean|w~|^(1-a) (AutoAWQ's form) instead of the paper's mean|x|^a
     awq_tokens: int = 2048  # AWQ: calibration tokens (whole sequences) on which each scale's loss is measured
     device: str = "auto"  # where calibration runs: auto (cuda when available), cpu, cuda, cuda:N
+    refit: str | None = None  # GPTQ: after each layer, refit "scales" (or "zeros": scales and zero points), codes fixed
+    refine_passes: int = 0  # GPTQ: rounds of coordinate descent over the codes + scale refit (refine.refine_codes)
     offload_activations: bool = False  # keep the calibration activations in CPU memory between layer runs
 
 
@@ -116,6 +119,10 @@ def calibrate(model: torch.nn.Module | CalibModel, input_ids: torch.Tensor | Non
                     cw = gptq_quantize(w, hess, spec.bits, spec.group_size, spec.sym,
                                        spec.damp_percent, spec.desc_act, spec.static_groups, scale_dtype=sdt,
                                        mse=spec.mse)
+                    if opts.refit:
+                        cw, _ = refit_scales(cw, w, hess, sdt, zeros=opts.refit == "zeros")
+                    if opts.refine_passes:
+                        cw, _ = refine_codes(cw, w, hess, opts.refine_passes, sdt, spec.damp_percent)
                     _set_weight(lin[n], cw)
                     canon[prefix + n] = cw
         else:
@@ -194,7 +201,8 @@ def quantize_checkpoint(model_dir: str, out_dir: str, method: str, spec: ExportS
         raise ConvertError(f"--drift-alpha {spec.drift_alpha} must be in [0, 1] (0 = plain GPTQ, 1 = full correction)")
     if spec.drift_alpha and method != "gptq":
         raise ConvertError(f"--drift-alpha applies to --method gptq, not {method}")
-    dev = resolve_device(opts.device if device is None else device)
+    want = opts.device if device is None else device
+    dev = resolve_device("cpu" if not stream and str(want) == "auto" else want)
     if not stream and dev.type != "cpu":
         raise ConvertError(f"the whole-model reference path (stream=False) runs on the CPU, not {dev}")
     writer.check_out_dir(out_dir, overwrite)
@@ -217,7 +225,7 @@ def quantize_checkpoint(model_dir: str, out_dir: str, method: str, spec: ExportS
         model.eval().requires_grad_(False)
         source = ResidentModel(model)
     result = calibrate(source, ids, method, spec, opts, names)
-    sd = writer_tensors(reader, source.float_state(result.canon), result.canon)
+    sd = writer.writer_tensors(reader, source.float_state(result.canon), result.canon)
     del source
     report = write_checkpoint(model_dir, out_dir, sd, result.canon, spec, overwrite, src_dtype=reader.float_dtype())
     logger.info("%s calibration took %.1f s", method, result.seconds)

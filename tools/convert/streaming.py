@@ -11,9 +11,12 @@ CanonicalWeights to the CPU and puts the layer back on the meta device. Peak dev
 plus the calibration activations (and whatever a method allocates for the layer).
 
 Extension points for transforms (e.g. a residual-stream rotation): change ``model``'s input embedding before the
-BlockRunner captures; change ``layer`` inside the loop (its full float state after the loop body is what is kept);
-after the loop, :meth:`StreamedModel.materialize` the final norm / lm_head, change them (or assign a new
-``lm_head.weight`` to untie it): every real non-layer tensor is part of :meth:`CalibModel.float_state`."""
+BlockRunner captures (it is on the device then; a tied lm_head is the same tensor, so untie it first if it must
+not change); change ``layer`` at the top of the loop body (its full float state after the body is what is kept);
+after :meth:`CalibModel.finish` (calibrate calls it after the last layer) everything outside the layers is real:
+what the capture used on the CPU, the rest (an untied lm_head) on the device. Change the final norm / lm_head there
+(assign a new ``lm_head.weight`` to untie it; move rotation matrices to ``w.device``). Every real non-layer tensor
+is part of :meth:`CalibModel.float_state`, which the writer stores."""
 from __future__ import annotations
 
 import logging
@@ -26,9 +29,10 @@ from torch import nn
 from tqdm import tqdm
 
 from lqe.quant_layers.canonical import CanonicalWeight
-from tools.convert.blocks import BlockRunner, decoder_layers, slice_batch, use_repeated_kv_attention
+from tools.convert.blocks import BlockRunner, decoder_layers, use_repeated_kv_attention
+from tools.convert.progress import LayerErrorProbe, weight_error
 from tools.convert.spec import ConvertError
-from tools.convert.writer import CheckpointReader
+from tools.convert.writer import CheckpointReader, quantized_weight
 
 logger = logging.getLogger("lqe.convert")
 DEVICES = "auto, cpu, cuda or cuda:N"
@@ -101,44 +105,6 @@ def _to_meta(module: nn.Module) -> None:
                 mod._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=False)
 
 
-def _out(y):
-    return y[0] if isinstance(y, tuple) else y
-
-
-class LayerErrorProbe:
-    """Relative error of one decoder layer's update on its first calibration sequences (up to ``tokens`` tokens):
-    ``|y_q - y_f|^2 / |y_f - x|^2`` with ``x`` the layer's input (the quantized stream), ``y_f`` the float layer's
-    output (taken before calibration touches the layer) and ``y_q`` the calibrated layer's output (read from the
-    runner once the loop body has advanced it): what the progress bar shows."""
-
-    def __init__(self, runner: BlockRunner, layer: nn.Module, tokens: int = 4096) -> None:
-        x = runner.inputs[0]
-        self.m = max(1, min(x.shape[0], tokens // max(1, x.shape[1] if x.dim() == 3 else 1)))
-        self.x = x[:self.m].to(runner.device, copy=True)
-        self.steps = runner.steps
-        with torch.no_grad():
-            self.y = _out(layer(self.x, **slice_batch(runner.kwargs[0], self.m, x.shape[0]))).clone()
-
-    def error(self, runner: BlockRunner) -> float | None:
-        if runner.steps == self.steps:  # the loop body did not advance the runner: no calibrated outputs to compare
-            return None
-        y_q = runner.inputs[0][:self.m].to(self.y.device)
-        den = float(((self.y.float() - self.x.float()) ** 2).sum())
-        return float(((y_q.float() - self.y.float()) ** 2).sum()) / max(den, 1e-30)
-
-
-def weight_error(layer: nn.Module, prefix: str, canon: dict[str, CanonicalWeight]) -> float | None:
-    """Mean over the layer's quantized linears of ``|W - Q|^2 / |W|^2``, ``W`` the layer's (float) weights: the progress
-    figure of RTN, which has no calibration inputs."""
-    errs = []
-    for name, mod in layer.named_modules():
-        cw = canon.get(prefix + name)
-        if cw is not None and isinstance(mod, nn.Linear) and not mod.weight.is_meta:
-            w = mod.weight.float()
-            errs.append(float(((cw.dequantize().t() - w) ** 2).sum()) / max(float((w ** 2).sum()), 1e-30))
-    return sum(errs) / len(errs) if errs else None
-
-
 class CalibModel:
     """The decoder layers calibration iterates over, and the float state it leaves (see the module docstring)."""
 
@@ -165,11 +131,11 @@ class CalibModel:
         for i in bar:
             t0 = time.perf_counter()
             layer = self._load(i)
-            probe = LayerErrorProbe(runner, layer) if runner is not None and runner.inputs else None
+            probe = LayerErrorProbe(runner) if runner is not None and runner.inputs else None
             yield i, layer
             prefix = self.layer_name(i) + "."
             if probe is not None:
-                err = probe.error(runner)
+                err = probe.error()
             else:
                 err = weight_error(layer, prefix, canon) if runner is None else None
             self.layer_errors.append(err)
@@ -206,11 +172,6 @@ class CalibModel:
         pass
 
 
-def _quantized_weight(key: str, canon: dict[str, CanonicalWeight]) -> bool:
-    prefix, _, leaf = key.rpartition(".")
-    return leaf == "weight" and prefix in canon
-
-
 class ResidentModel(CalibModel):
     """A whole model in memory (``from_pretrained``), calibrated in place on its own device: the reference path."""
 
@@ -218,7 +179,7 @@ class ResidentModel(CalibModel):
         super().__init__(model, next(model.parameters()).device)
 
     def float_state(self, canon: dict[str, CanonicalWeight]) -> dict[str, torch.Tensor]:
-        return {k: t.detach().cpu() for k, t in self.model.state_dict().items() if not _quantized_weight(k, canon)}
+        return {k: t.detach().cpu() for k, t in self.model.state_dict().items() if not quantized_weight(k, canon)}
 
 
 class StreamedModel(CalibModel):
@@ -319,12 +280,13 @@ class StreamedModel(CalibModel):
         prefix = self.layer_name(i) + "."
         for name, t in layer.state_dict().items():
             key = prefix + name
-            if not _quantized_weight(key, canon):
+            if not quantized_weight(key, canon):
                 self.state[key] = self._keep(key, t)
         _to_meta(layer)
 
     def _keep(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        t = t.detach().to("cpu")
+        # an own copy: a tensor read on the CPU is a view of its shard's memory map, which it would keep mapped
+        t = t.detach().to("cpu", copy=True)
         src = self.reader.meta.get(key)
         return t.to(src.dtype) if src is not None and t.is_floating_point() else t
 
@@ -332,29 +294,10 @@ class StreamedModel(CalibModel):
         out = dict(self.state)
         seen: set[int] = set()
         for key, t in self.model.state_dict().items():
-            if t.is_meta or key in out or _quantized_weight(key, canon):
+            if t.is_meta or key in out or quantized_weight(key, canon):
                 continue
             if t.data_ptr() in seen and key not in self.reader:  # a tied lm_head is the embedding again
                 continue
             seen.add(t.data_ptr())
             out[key] = self._keep(key, t)
         return out
-
-
-def writer_tensors(reader: CheckpointReader, state: dict[str, torch.Tensor],
-                   canon: dict[str, CanonicalWeight]) -> dict[str, torch.Tensor]:
-    """The float tensors :func:`~tools.convert.export.write_checkpoint` stores beside the packed layers, in the
-    checkpoint's order: every checkpoint tensor but the quantized linears' weights, as calibration left it (``state``,
-    cast back to the checkpoint's dtype) or else read from its shard; then tensors calibration added (an untied
-    lm_head), unless one is another name of a tensor already there (a tied lm_head is the embedding again)."""
-    out: dict[str, torch.Tensor] = {}
-    for key, src in reader.meta.items():
-        if _quantized_weight(key, canon):
-            continue
-        t = state.get(key)
-        out[key] = reader.get(key) if t is None else t.to(src.dtype) if t.is_floating_point() else t
-    seen = {t.data_ptr() for k, t in state.items() if k in out and t.numel()}
-    for key, t in state.items():
-        if key not in out and not _quantized_weight(key, canon) and not (t.numel() and t.data_ptr() in seen):
-            out[key] = t
-    return out

@@ -7,7 +7,7 @@ import os
 import shutil
 import tempfile
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 from safetensors import safe_open
@@ -102,6 +102,31 @@ class CheckpointReader:
     def get(self, key: str, device: torch.device | str | None = None,
             float_dtype: torch.dtype | None = None) -> torch.Tensor:
         return self.get_many([key], device, float_dtype)[key]
+
+
+def quantized_weight(key: str, quantized: Mapping[str, Any]) -> bool:
+    """``key`` is the float weight of a layer in ``quantized`` (prefix -> quantized form): not written."""
+    prefix, _, leaf = key.rpartition(".")
+    return leaf == "weight" and prefix in quantized
+
+
+def writer_tensors(reader: CheckpointReader, state: dict[str, torch.Tensor],
+                   quantized: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The float tensors :func:`~tools.convert.export.write_checkpoint` stores beside the packed layers, in the
+    checkpoint's order: every checkpoint tensor but the quantized linears' weights, as calibration left it (``state``,
+    cast back to the checkpoint's dtype) or else read from its shard; then tensors calibration added (an untied
+    lm_head), unless one is another name of a tensor already there (a tied lm_head is the embedding again)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, src in reader.meta.items():
+        if quantized_weight(key, quantized):
+            continue
+        t = state.get(key)
+        out[key] = reader.get(key) if t is None else t.to(src.dtype) if t.is_floating_point() else t
+    seen = {t.data_ptr() for k, t in state.items() if k in out and t.numel()}
+    for key, t in state.items():
+        if key not in out and not quantized_weight(key, quantized) and not (t.numel() and t.data_ptr() in seen):
+            out[key] = t
+    return out
 
 
 def read_config(model_dir: str) -> dict[str, Any]:
