@@ -267,6 +267,11 @@ def test_non_finite_logits_fail_only_the_named_request(srv):
     real, state = runner.execute, {"fired": False}
 
     def execute(sched, sampling):
+        # hold the first request's steps until the second is queued (its add runs right after this step), so the
+        # two share decode steps however slowly the client threads start on a loaded machine
+        deadline = time.monotonic() + 30
+        while not state["fired"] and engine.num_requests < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         rids = sorted({s.seq.request_id for s in sched.scheduled if s.samples})
         if not state["fired"] and len(rids) == 2 and all(s.num_new_tokens == 1 for s in sched.scheduled):
             state["fired"] = True
