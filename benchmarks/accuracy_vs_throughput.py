@@ -77,34 +77,52 @@ def convert_command(model_dir: str, out: str, spec: tuple, args) -> list[str]:
         cmd.append("--desc-act")
     cmd += list(extra)
     if method != "rtn":
-        cmd += ["--num-samples", str(args.calib_samples), "--seq-len", str(args.calib_seq_len), "--seed", str(args.seed)]
+        if "--num-samples" not in extra:  # a variant may name its own calibration size
+            cmd += ["--num-samples", str(args.calib_samples)]
+        if "--seq-len" not in extra:
+            cmd += ["--seq-len", str(args.calib_seq_len)]
+        cmd += ["--seed", str(args.seed)]
         if args.calib:
             cmd += ["--calib", args.calib]
     return cmd
 
 
-def build_variant(name: str, model_dir: str, args) -> tuple[str, float | None, list[str] | None]:
-    """The checkpoint directory of ``name`` (built unless the cache holds one made by the same command)."""
+CALIB_LINE = re.compile(r"quantized \d+ layers in ([0-9.]+) s")
+
+
+def build_variant(name: str, model_dir: str, args) -> tuple[str, float | None, list[str] | None, float | None]:
+    """The checkpoint directory of ``name`` (built unless the cache holds one made by the same command), the
+    convert command's wall time when it ran now, the command, and its calibration seconds (what ``tools.convert``
+    reports, kept beside the cached checkpoint)."""
     spec = VARIANTS[name]
     if spec is None:
-        return model_dir, None, None
+        return model_dir, None, None, None
     if spec[1] not in _convert_formats():
         raise RuntimeError(f"tools.convert cannot write format {spec[1]!r}")
     out = os.path.join(args.cache, name)
     cmd = convert_command(model_dir, out, spec, args)
-    stamp = out + ".cmd.json"
+    stamp, timing = out + ".cmd.json", out + ".calib.json"
     if os.path.isfile(os.path.join(out, "config.json")) and os.path.isfile(stamp):
         with open(stamp) as f:
             if json.load(f) == cmd[1:]:
-                return out, None, cmd
+                calib_s = None
+                if os.path.isfile(timing):
+                    with open(timing) as f:
+                        calib_s = json.load(f).get("calib_s")
+                return out, None, cmd, calib_s
     os.makedirs(args.cache, exist_ok=True)
     t = time.perf_counter()
     r = subprocess.run(cmd + ["--overwrite"], cwd=REPO, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    wall = time.perf_counter() - t
+    m = CALIB_LINE.search(r.stdout)
+    calib_s = float(m.group(1)) if m else None
     with open(stamp, "w") as f:
         json.dump(cmd[1:], f)
-    return out, time.perf_counter() - t, cmd
+    with open(timing, "w") as f:
+        json.dump({"calib_s": calib_s, "convert_s": wall}, f)
+    return out, wall, cmd, calib_s
 
 
 def _convert_formats() -> tuple[str, ...]:
@@ -169,14 +187,15 @@ def markdown(res: dict) -> str:
            f"Throughput: {s['tp_prompts']} prompts of {s['tp_input_len'][0]}-{s['tp_input_len'][1]} tokens, "
            f"{s['tp_output_len'][0]}-{s['tp_output_len'][1]} output tokens. Calibration: {s['calib_samples']} x "
            f"{s['calib_seq_len']} tokens of `{os.path.basename(s['calib'] or 'calib_default.txt.gz')}`, seed {s['seed']}.",
-           "", "| variant | format | bits | group | ppl | Δppl | KL | top-1 | decode tok/s | GB/s | throughput tok/s | weights MiB |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "", "| variant | format | bits | group | ppl | Δppl | KL | top-1 | decode tok/s | GB/s | throughput tok/s | weights MiB "
+               "| calib s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for v in rows:
         d = f"{(v['ppl'] / fl['ppl'] - 1) * 100:+.1f}%" if fl else ""
         g = {None: "–", -1: "channel"}.get(v["group_size"], v["group_size"])
         out.append(f"| {v['name']} | {v['format']} | {v['bits']} | {g} | {v['ppl']:.2f} | {d} | {v['kl']:.4f} "
                    f"| {v['top1_agree'] * 100:.1f}% | {v['decode_tok_s']:.1f} | {v['weight_gb_s']:.2f} | "
-                   f"{v['throughput_tok_s']:.1f} | {v['weight_bytes'] / 2**20:.1f} |")
+                   f"{v['throughput_tok_s']:.1f} | {v['weight_bytes'] / 2**20:.1f} | {_calib(v)} |")
     recipes = [(v["name"], recipe(v["convert_cmd"])) for v in rows if v.get("convert_cmd")]
     if recipes:
         out += ["", "Variants are built with `python -m tools.convert quantize --model MODEL --out DIR` plus:", ""]
@@ -191,6 +210,13 @@ def markdown(res: dict) -> str:
                 f"CUDA {e['cuda']}, python {e['python']}, lqe {e['lqe_commit']}; model `{res['model']}`; matrix run "
                 f"{res['seconds']:.0f} s.", ""]
     return "\n".join(out)
+
+
+def _calib(v: dict) -> str:
+    """Calibration seconds of a row, as ``tools.convert`` reported them ("–" for float, "?" when not recorded)."""
+    if v.get("method") is None:
+        return "–"
+    return "?" if v.get("calib_s") is None else f"{v['calib_s']:.0f}"
 
 
 def recipe(cmd: str) -> str:
@@ -298,12 +324,12 @@ def main(argv: list[str] | None = None) -> dict:
                 "group_size": spec[3] if spec else None, "method": spec[0] if spec else None,
                 "seq_len": args.seq_len, "windows": len(windows), "seed": args.seed}
         try:
-            ckpt, conv_s, cmd = build_variant(v, model_dir, args)
+            ckpt, conv_s, cmd, calib_s = build_variant(v, model_dir, args)
         except RuntimeError as e:
             print(f"{v}: skipped: {e}", file=sys.stderr)
             res["variants"].append({**meta, "skipped": str(e).splitlines()[0]})
             continue
-        row = {**meta, "convert_s": conv_s, "convert_cmd": " ".join(cmd[1:]) if cmd else None,
+        row = {**meta, "convert_s": conv_s, "calib_s": calib_s, "convert_cmd": " ".join(cmd[1:]) if cmd else None,
                **measure_variant(v, ckpt, windows, ref, args)}
         if row["bits"] is None:
             row["bits"] = {"float32": 32, "bfloat16": 16, "float16": 16}[row["dtype"]]

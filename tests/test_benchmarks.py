@@ -124,7 +124,7 @@ def test_accuracy_vs_throughput_script(tiny_llama_dir, text_file, tmp_path):
     assert "- `rtn-w4g64-asym`: `--method rtn --format gptq --bits 4 --group-size 64 --asym`" in md
     # the cached checkpoint is reused when the convert command is the same
     ns = avt.argparse.Namespace(cache=str(tmp_path / "cache"), calib=None, calib_samples=16, calib_seq_len=256, seed=0)
-    ckpt, convert_s, cmd = avt.build_variant("rtn-w4g64-asym", tiny_llama_dir, ns)
+    ckpt, convert_s, cmd, calib_s = avt.build_variant("rtn-w4g64-asym", tiny_llama_dir, ns)
     assert convert_s is None and ckpt == str(tmp_path / "cache" / "rtn-w4g64-asym") and "--asym" in cmd
 
 

@@ -90,6 +90,24 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--offload-activations", action="store_true",
                    help="keep the calibration activations in CPU memory, each batch copied to the device for its "
                         "forward (less device memory, some transfer time)")
+    acc = q.add_argument_group("accuracy methods (each off by default; see the README's ablation)")
+    acc.add_argument("--rotate", default="none", choices=("none", "hadamard", "orthogonal"),
+                     help="rotate the residual stream, absorbed into the weights (QuaRot/SpinQuant R1): norms folded "
+                          "into the next linears, a tied LM head untied")
+    acc.add_argument("--rotate-heads", action="store_true",
+                     help="with --rotate: also rotate each attention head between v_proj and o_proj (SpinQuant R2)")
+    acc.add_argument("--awq-scale", action="store_true",
+                     help="GPTQ: fold AWQ's searched per-channel scales into each layer before GPTQ quantizes it")
+    acc.add_argument("--refine-passes", type=int, default=0,
+                     help="GPTQ: passes of coordinate descent over each layer's codes plus a closed-form refit of its "
+                          "scales, on GPTQ's own objective (0 = off)")
+    acc.add_argument("--tune-iters", type=int, default=0,
+                     help="GPTQ: steps of block-output tuning per decoder layer (scales by Adam, code rounding by "
+                          "signed gradient, on the layer's output error; 0 = off)")
+    acc.add_argument("--tune-lr", type=float, default=5e-3, help="learning rate of the scale multipliers (--tune-iters)")
+    acc.add_argument("--tune-seqs", type=int, default=4, help="calibration windows per tuning step (--tune-iters)")
+    acc.add_argument("--tune-scales-only", action="store_true",
+                     help="--tune-iters tunes the scales only, not the rounding of the codes")
     v = sub.add_parser("verify", help="decode a GPTQ/AWQ/compressed-tensors checkpoint and check it", formatter_class=_Help)
     v.add_argument("dir", help="the quantized checkpoint directory")
     v.add_argument("--against", default=None, help="float (or fake-quantized) checkpoint to compare decoded weights with (default: "
@@ -152,7 +170,10 @@ def main(argv: list[str] | None = None) -> int:
                          mse=a.mse, drift_alpha=a.drift_alpha)
             opts = CalibOptions(a.calib, a.num_samples, a.seq_len, a.seed, a.alpha, a.awq_clip, a.batch_size,
                                 awq_duo=a.awq_duo, awq_tokens=a.awq_tokens, device=a.device,
-                                offload_activations=a.offload_activations)
+                                offload_activations=a.offload_activations,
+                                rotate=None if a.rotate == "none" else a.rotate, rotate_heads=a.rotate_heads,
+                                awq_scale=a.awq_scale, refine_passes=a.refine_passes, tune_iters=a.tune_iters,
+                                tune_lr=a.tune_lr, tune_seqs=a.tune_seqs, tune_rounding=not a.tune_scales_only)
             r, res = quantize_checkpoint(a.model, a.out, a.method, spec, opts, a.overwrite)
             print(f"{a.method}: quantized {len(r.layers)} layers in {res.seconds:.1f} s -> {r.out_dir} ({', '.join(r.files)})")
         else:

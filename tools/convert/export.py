@@ -93,13 +93,20 @@ def canonical_weights(sd: dict[str, torch.Tensor], names: list[str], spec: Expor
 
 
 def write_checkpoint(model_dir: str, out_dir: str, sd: dict[str, torch.Tensor], canon: dict[str, CanonicalWeight],
-                     spec: ExportSpec, overwrite: bool = False, src_dtype: torch.dtype | None = None) -> ExportReport:
+                     spec: ExportSpec, overwrite: bool = False, src_dtype: torch.dtype | None = None,
+                     config_updates: dict | None = None) -> ExportReport:
     """Pack ``canon`` with the format's packer, keep every other tensor in float, write configs and side files.
 
     ``sd`` needs no float weights of the layers in ``canon`` (they are not written); ``src_dtype``, the source
-    checkpoint's float dtype (the default of ``--float-dtype``), is otherwise that of ``sd``'s first float tensor."""
+    checkpoint's float dtype (the default of ``--float-dtype``), is otherwise that of ``sd``'s first float tensor.
+    ``config_updates``: config.json keys to change (also in a ``text_config``), e.g. ``tie_word_embeddings`` false
+    when calibration untied the LM head (a rotation folds the final norm into it)."""
     spec.validate()
     cfg = writer.read_config(model_dir)
+    for key, value in (config_updates or {}).items():
+        cfg[key] = value
+        if isinstance(cfg.get("text_config"), dict) and key in cfg["text_config"]:
+            cfg["text_config"][key] = value
     if src_dtype is None:
         src_dtype = next((t.dtype for t in sd.values() if t.is_floating_point()), torch.float32)
     fdtype = spec.float_dtype or src_dtype

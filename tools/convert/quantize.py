@@ -16,7 +16,9 @@ from tools.convert.blocks import SEQUENTIAL, BlockRunner, input_hooks, linear_gr
 from tools.convert.calib_data import calibration_ids
 from tools.convert.export import ExportReport, linear_names, write_checkpoint
 from tools.convert.gptq import HessianAccumulator, drift_target, gptq_quantize
-from tools.convert.refine import refine_codes, refit_scales
+from tools.convert.blocktune import tune_layer
+from tools.convert.refine import loop_threads, refine_codes
+from tools.convert.rotation import ROTATIONS, model_rotation, rotate_embedding, rotate_head, rotate_layer
 from tools.convert.rtn import rtn_canonical
 from tools.convert.smoothquant import SQ_MAPPINGS, smooth_layer
 from tools.convert.spec import ConvertError, ExportSpec
@@ -39,8 +41,14 @@ class CalibOptions:
     awq_duo: bool = False  # AWQ: s = mean|x|^a / mean|w~|^(1-a) (AutoAWQ's form) instead of the paper's mean|x|^a
     awq_tokens: int = 2048  # AWQ: calibration tokens (whole sequences) on which each scale's loss is measured
     device: str = "auto"  # where calibration runs: auto (cuda when available), cpu, cuda, cuda:N
-    refit: str | None = None  # GPTQ: after each layer, refit "scales" (or "zeros": scales and zero points), codes fixed
     refine_passes: int = 0  # GPTQ: rounds of coordinate descent over the codes + scale refit (refine.refine_codes)
+    tune_iters: int = 0  # GPTQ: steps of block-output tuning per decoder layer (blocktune.tune_layer); 0 = off
+    tune_lr: float = 5e-3
+    tune_seqs: int = 4  # calibration sequences per tuning step
+    tune_rounding: bool = True  # also tune the rounding of each code (else the scales only)
+    rotate: str | None = None  # residual-stream rotation absorbed into the weights: hadamard | orthogonal (rotation.py)
+    rotate_heads: bool = False  # with rotate: also a per-head rotation between v_proj and o_proj (SpinQuant R2)
+    awq_scale: bool = False  # GPTQ: fold AWQ's searched per-channel scales into each layer before GPTQ quantizes it
     offload_activations: bool = False  # keep the calibration activations in CPU memory between layer runs
 
 
@@ -51,6 +59,7 @@ class QuantizeResult:
     notes: dict[str, float] = field(default_factory=dict)
     layer_errors: list[float | None] = field(default_factory=list)  # per decoder layer (see streaming.LayerErrorProbe)
     layer_seconds: list[float] = field(default_factory=list)  # per decoder layer, wall time
+    config_updates: dict = field(default_factory=dict)  # config.json keys calibration changed (an untied lm_head)
 
 
 def _set_weight(module: torch.nn.Module, cw: CanonicalWeight) -> None:
@@ -72,6 +81,42 @@ def _stop_at(names: list[str]) -> str | None:
 _slice_batch = slice_batch  # the first m sequences of a decoder layer's keyword argument
 
 
+def _scale_layer(layer: torch.nn.Module, runner: BlockRunner, method: str, spec: ExportSpec, opts: CalibOptions,
+                 sdt: torch.dtype, notes: dict[str, float], prefix: str, clip: bool) -> None:
+    """AWQ's scale search (``method`` awq) or SmoothQuant's factors on one decoder layer, folded into its weights."""
+    lin = dict(layer.named_modules())
+    firsts = [m[1][0] for m in (AWQ_MAPPINGS if method == "awq" else SQ_MAPPINGS)]
+    firsts = [n for n in firsts if n in lin]
+    loss_x: dict[str, list[torch.Tensor]] = {n: [] for n in firsts}
+    taken = {n: 0 for n in firsts}
+    absum = {n: 0.0 for n in firsts}
+    count = {n: 0 for n in firsts}
+
+    def collect(n: str, x: torch.Tensor) -> None:
+        flat = x.reshape(-1, x.shape[-1]).float()
+        if method == "awq":
+            absum[n] = absum[n] + flat.abs().sum(0)
+            count[n] += flat.shape[0]
+            if taken[n] < opts.awq_tokens:  # whole sequences (attention needs them) up to the budget
+                m = min(x.shape[0], -(-(opts.awq_tokens - taken[n]) // x.shape[1]))
+                loss_x[n].append(x[:m].float())
+                taken[n] += m * x.shape[1]
+        else:
+            absum[n] = torch.maximum(torch.as_tensor(absum[n]), flat.abs().amax(0))
+
+    with input_hooks(layer, firsts, collect):
+        runner.run(layer, stop_at=_stop_at(firsts))
+    if method == "awq":
+        kws = [_slice_batch(runner.kwargs[b], x.shape[0], runner.inputs[b].shape[0])
+               for b, x in enumerate(loss_x[firsts[0]])] if firsts else []
+        means = {n: absum[n] / max(count[n], 1) for n in firsts}
+        for n, ratio in awq_layer(layer, loss_x, kws, means, spec.bits, spec.group_size, spec.sym,
+                                  clip, sdt, duo=opts.awq_duo).items():
+            notes[prefix + n] = ratio
+    else:
+        smooth_layer(layer, absum, opts.alpha)
+
+
 @torch.no_grad()
 @fp32_matmuls()
 def calibrate(model: torch.nn.Module | CalibModel, input_ids: torch.Tensor | None, method: str, spec: ExportSpec,
@@ -87,11 +132,17 @@ def calibrate(model: torch.nn.Module | CalibModel, input_ids: torch.Tensor | Non
     canon: dict[str, CanonicalWeight] = {}
     notes: dict[str, float] = {}
     drift = method == "gptq" and spec.drift_alpha > 0
+    rot, tied = None, bool(getattr(model.config, "tie_word_embeddings", False))
+    if opts.rotate:  # the stream the runner captures is the rotated one; each layer is rotated when it arrives
+        rot = model_rotation(model, opts.rotate, opts.rotate_heads, opts.seed)
+        rotate_embedding(model, rot)
     runner = None if method == "rtn" else BlockRunner(model, input_ids, opts.batch_size, track_float=drift,
                                                       offload=opts.offload_activations)
     source.capture_done()
     for i, layer in source.iter_layers(canon, method, runner):
         prefix = f"{source.layer_name(i)}."
+        if rot is not None:
+            rotate_layer(layer, rot)
         if method == "rtn":
             for n, m in layer.named_modules():
                 if isinstance(m, torch.nn.Linear):
@@ -99,8 +150,14 @@ def calibrate(model: torch.nn.Module | CalibModel, input_ids: torch.Tensor | Non
             continue
         groups = linear_groups(layer)
         lin = dict(layer.named_modules())
+        if method == "gptq" and opts.awq_scale:  # AWQ's scales folded first, then GPTQ on the scaled weights
+            _scale_layer(layer, runner, "awq", spec, opts, sdt, notes, prefix, clip=False)
         fp_layer = copy.deepcopy(layer) if drift else None
         if method == "gptq":
+            targets = None
+            if opts.tune_iters:  # the float layer's outputs, on the float stream when it is tracked
+                targets = runner.run(fp_layer if fp_layer is not None else layer, keep_outputs=True,
+                                     inputs=runner.fp_inputs)
             passes = groups if spec.true_sequential else [tuple(n for g in groups for n in g)]
             for group in passes:
                 # linears of a group read the same input: one Hessian per group
@@ -116,46 +173,26 @@ def calibrate(model: torch.nn.Module | CalibModel, input_ids: torch.Tensor | Non
                     hess, w = acc[first].hessian(), lin[n].weight
                     if fp_layer is not None:
                         w = drift_target(w, hess, acc[first].drift(), spec.drift_alpha, spec.damp_percent)
-                    cw = gptq_quantize(w, hess, spec.bits, spec.group_size, spec.sym,
-                                       spec.damp_percent, spec.desc_act, spec.static_groups, scale_dtype=sdt,
-                                       mse=spec.mse)
-                    if opts.refit:
-                        cw, _ = refit_scales(cw, w, hess, sdt, zeros=opts.refit == "zeros")
-                    if opts.refine_passes:
-                        cw, _ = refine_codes(cw, w, hess, opts.refine_passes, sdt, spec.damp_percent)
+                    with loop_threads(hess.device):  # a column loop of small ops: one thread (see refine.py)
+                        cw = gptq_quantize(w, hess, spec.bits, spec.group_size, spec.sym,
+                                           spec.damp_percent, spec.desc_act, spec.static_groups, scale_dtype=sdt,
+                                           mse=spec.mse)
+                        if opts.refine_passes:
+                            cw, _ = refine_codes(cw, w, hess, opts.refine_passes, sdt, spec.damp_percent)
                     _set_weight(lin[n], cw)
                     canon[prefix + n] = cw
+            if targets is not None:
+                names_i = [n for g in groups for n in g]
+                tuned, rep = tune_layer(layer, {n: canon[prefix + n] for n in names_i},
+                                        [runner.on_device(x) for x in runner.inputs], runner.kwargs, targets,
+                                        opts.tune_iters, opts.tune_lr, opts.tune_seqs, opts.tune_rounding, sdt, opts.seed)
+                notes[prefix + "tune"] = rep.after / rep.before if rep.before > 0 else 1.0
+                for n, cw in tuned.items():
+                    _set_weight(lin[n], cw)
+                    canon[prefix + n] = cw
+                targets = None
         else:
-            firsts = [m[1][0] for m in (AWQ_MAPPINGS if method == "awq" else SQ_MAPPINGS)]
-            firsts = [n for n in firsts if n in lin]
-            loss_x: dict[str, list[torch.Tensor]] = {n: [] for n in firsts}
-            taken = {n: 0 for n in firsts}
-            absum = {n: 0.0 for n in firsts}
-            count = {n: 0 for n in firsts}
-
-            def collect(n: str, x: torch.Tensor) -> None:
-                flat = x.reshape(-1, x.shape[-1]).float()
-                if method == "awq":
-                    absum[n] = absum[n] + flat.abs().sum(0)
-                    count[n] += flat.shape[0]
-                    if taken[n] < opts.awq_tokens:  # whole sequences (attention needs them) up to the budget
-                        m = min(x.shape[0], -(-(opts.awq_tokens - taken[n]) // x.shape[1]))
-                        loss_x[n].append(x[:m].float())
-                        taken[n] += m * x.shape[1]
-                else:
-                    absum[n] = torch.maximum(torch.as_tensor(absum[n]), flat.abs().amax(0))
-
-            with input_hooks(layer, firsts, collect):
-                runner.run(layer, stop_at=_stop_at(firsts))
-            if method == "awq":
-                kws = [_slice_batch(runner.kwargs[b], x.shape[0], runner.inputs[b].shape[0])
-                       for b, x in enumerate(loss_x[firsts[0]])] if firsts else []
-                means = {n: absum[n] / max(count[n], 1) for n in firsts}
-                for n, ratio in awq_layer(layer, loss_x, kws, means, spec.bits, spec.group_size, spec.sym,
-                                          opts.awq_clip, sdt, duo=opts.awq_duo).items():
-                    notes[prefix + n] = ratio
-            else:
-                smooth_layer(layer, absum, opts.alpha)
+            _scale_layer(layer, runner, method, spec, opts, sdt, notes, prefix, clip=opts.awq_clip)
             for group in groups:
                 for n in group:
                     cw = rtn_canonical(lin[n].weight, spec.bits, spec.group_size, spec.sym, sdt)
@@ -165,12 +202,35 @@ def calibrate(model: torch.nn.Module | CalibModel, input_ids: torch.Tensor | Non
         fp_layer = None  # the float copy goes before the next layer arrives
     runner = None  # and the activations before what follows the layers
     source.finish()
+    config_updates = {}
+    if rot is not None:
+        rotate_head(model, rot)
+        if tied:
+            config_updates["tie_word_embeddings"] = False
     missing = [n for n in names if n not in canon]
     for n in missing:  # linears outside the decoder layers (e.g. a quantized lm_head): RTN
         cw = rtn_canonical(source.weight(n), spec.bits, spec.group_size, spec.sym, sdt)
         canon[n] = canonical_to(cw, "cpu")
     return QuantizeResult({n: canon[n] for n in names}, time.time() - t0, notes, source.layer_errors,
-                          source.layer_seconds)
+                          source.layer_seconds, config_updates)
+
+
+def check_accuracy_options(method: str, opts: CalibOptions) -> None:
+    """The accuracy methods' options (rotation, AWQ scaling before GPTQ, refinement, block tuning), in words."""
+    if opts.rotate is not None and opts.rotate not in ROTATIONS:
+        raise ConvertError(f"--rotate {opts.rotate!r}: choose none or one of {', '.join(ROTATIONS)}")
+    if opts.rotate_heads and opts.rotate is None:
+        raise ConvertError("--rotate-heads needs --rotate hadamard (or orthogonal)")
+    gptq_only = {"--awq-scale": opts.awq_scale, "--refine-passes": opts.refine_passes,
+                 "--tune-iters": opts.tune_iters}
+    for flag, value in gptq_only.items():
+        if value and method != "gptq":
+            raise ConvertError(f"{flag} applies to --method gptq, not {method}")
+    for flag, value in (("--refine-passes", opts.refine_passes), ("--tune-iters", opts.tune_iters)):
+        if value < 0:
+            raise ConvertError(f"{flag} must be >= 0, got {value}")
+    if opts.tune_iters and (opts.tune_seqs < 1 or not opts.tune_lr > 0):
+        raise ConvertError(f"--tune-seqs must be >= 1 and --tune-lr > 0, got {opts.tune_seqs} and {opts.tune_lr}")
 
 
 def quantize_checkpoint(model_dir: str, out_dir: str, method: str, spec: ExportSpec, opts: CalibOptions | None = None,
@@ -201,6 +261,7 @@ def quantize_checkpoint(model_dir: str, out_dir: str, method: str, spec: ExportS
         raise ConvertError(f"--drift-alpha {spec.drift_alpha} must be in [0, 1] (0 = plain GPTQ, 1 = full correction)")
     if spec.drift_alpha and method != "gptq":
         raise ConvertError(f"--drift-alpha applies to --method gptq, not {method}")
+    check_accuracy_options(method, opts)
     want = opts.device if device is None else device
     dev = resolve_device("cpu" if not stream and str(want) == "auto" else want)
     if not stream and dev.type != "cpu":
@@ -227,6 +288,7 @@ def quantize_checkpoint(model_dir: str, out_dir: str, method: str, spec: ExportS
     result = calibrate(source, ids, method, spec, opts, names)
     sd = writer.writer_tensors(reader, source.float_state(result.canon), result.canon)
     del source
-    report = write_checkpoint(model_dir, out_dir, sd, result.canon, spec, overwrite, src_dtype=reader.float_dtype())
+    report = write_checkpoint(model_dir, out_dir, sd, result.canon, spec, overwrite, src_dtype=reader.float_dtype(),
+                              config_updates=result.config_updates)
     logger.info("%s calibration took %.1f s", method, result.seconds)
     return report, result

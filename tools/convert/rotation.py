@@ -122,6 +122,9 @@ class Rotation:
         return cls(rotation_matrix(kind, hidden, seed),
                    None if head_dim is None else rotation_matrix(kind, head_dim, seed + 1))
 
+    def to(self, device: torch.device | str) -> "Rotation":
+        return Rotation(self.q.to(device), None if self.head is None else self.head.to(device))
+
 
 def _mul_(param: torch.Tensor, fn) -> None:
     with torch.no_grad():
@@ -132,7 +135,8 @@ def fold_norm(norm: nn.Module, linears: list[nn.Linear]) -> None:
     """``W -> W diag(gamma)`` for the linears reading ``norm``'s output; ``gamma -> 1`` (same float function)."""
     gamma = norm.weight.detach().double()
     for lin in linears:
-        _mul_(lin.weight, lambda w: w * gamma[None, :])
+        g = gamma.to(lin.weight.device)
+        _mul_(lin.weight, lambda w: w * g[None, :])
     with torch.no_grad():
         norm.weight.fill_(1.0)
 
@@ -150,6 +154,7 @@ def rotate_layer(layer: nn.Module, rot: Rotation) -> None:
     missing = [n for n in (*READERS, *(r for rs in READERS.values() for r in rs), *WRITERS) if n not in mods]
     if missing:
         raise ConvertError(f"--rotate needs a Llama/Qwen decoder layer; {type(layer).__name__} lacks {', '.join(missing)}")
+    rot = rot.to(mods["self_attn.o_proj"].weight.device)
     q = rot.q
     for norm, readers in READERS.items():
         lins = [mods[n] for n in readers]
@@ -188,7 +193,9 @@ def _untie(model: nn.Module) -> None:
 def rotate_embedding(model: nn.Module, rot: Rotation) -> None:
     """``E -> E Q`` (the head is untied first when it shares the embedding's tensor)."""
     _untie(model)
-    _mul_(model.get_input_embeddings().weight, lambda e: e @ rot.q)
+    emb = model.get_input_embeddings().weight
+    q = rot.q.to(emb.device)
+    _mul_(emb, lambda e: e @ q)
 
 
 def rotate_head(model: nn.Module, rot: Rotation) -> None:
@@ -199,7 +206,8 @@ def rotate_head(model: nn.Module, rot: Rotation) -> None:
     if getattr(norm, "bias", None) is not None:
         raise ConvertError("--rotate: the final norm has a bias (LayerNorm); only RMSNorm models can be rotated")
     fold_norm(norm, [head])
-    _mul_(head.weight, lambda w: w @ rot.q)
+    q = rot.q.to(head.weight.device)
+    _mul_(head.weight, lambda w: w @ q)
 
 
 def rotate_model(model: nn.Module, rot: Rotation) -> None:
