@@ -193,9 +193,14 @@ def markdown(res: dict) -> str:
     for v in rows:
         d = f"{(v['ppl'] / fl['ppl'] - 1) * 100:+.1f}%" if fl else ""
         g = {None: "–", -1: "channel"}.get(v["group_size"], v["group_size"])
-        out.append(f"| {v['name']} | {v['format']} | {v['bits']} | {g} | {v['ppl']:.2f} | {d} | {v['kl']:.4f} "
+        mark = " †" if v.get("earlier_run") else ""
+        out.append(f"| {v['name']}{mark} | {v['format']} | {v['bits']} | {g} | {v['ppl']:.2f} | {d} | {v['kl']:.4f} "
                    f"| {v['top1_agree'] * 100:.1f}% | {v['decode_tok_s']:.1f} | {v['weight_gb_s']:.2f} | "
                    f"{v['throughput_tok_s']:.1f} | {v['weight_bytes'] / 2**20:.1f} | {_calib(v)} |")
+    earlier = sorted({v["earlier_run"] for v in rows if v.get("earlier_run")})
+    if earlier:
+        out += ["", f"† measured in an earlier run (lqe {', '.join(earlier)}) on the same windows; its speed columns "
+                    "are from that run."]
     recipes = [(v["name"], recipe(v["convert_cmd"])) for v in rows if v.get("convert_cmd")]
     if recipes:
         out += ["", "Variants are built with `python -m tools.convert quantize --model MODEL --out DIR` plus:", ""]
@@ -210,6 +215,21 @@ def markdown(res: dict) -> str:
                 f"CUDA {e['cuda']}, python {e['python']}, lqe {e['lqe_commit']}; model `{res['model']}`; matrix run "
                 f"{res['seconds']:.0f} s.", ""]
     return "\n".join(out)
+
+
+def _earlier_rows(path: str, names: list[str], settings: dict) -> list[dict]:
+    """Rows of an earlier results file for the variants not in ``names`` (same dataset, windows and seed only), each
+    marked with the lqe commit of the run that measured it."""
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        old = json.load(f)
+    same = all(old.get("settings", {}).get(k) == settings[k] for k in ("dataset", "seq_len", "seed", "windows"))
+    if not same:
+        raise SystemExit(f"--merge: {path} was measured with other settings; run without --merge")
+    commit = old.get("env", {}).get("lqe_commit")
+    return [{**v, "earlier_run": v.get("earlier_run") or commit} for v in old.get("variants", [])
+            if v["name"] not in names and "ppl" in v]
 
 
 def _calib(v: dict) -> str:
@@ -290,6 +310,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tp-input-len", type=int, nargs=2, default=[32, 96])
     p.add_argument("--tp-output-len", type=int, nargs=2, default=[32, 64])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--merge", action="store_true",
+                   help="keep the rows of the existing results file for variants not run now (marked as earlier runs; "
+                        "the float row is always measured again, as every KL is against it)")
     args = p.parse_args(argv)
     if args.calib is None and os.path.isfile(SHARED_CALIB):
         args.calib = SHARED_CALIB  # explicit: tools.convert's own default is its packaged text
@@ -317,6 +340,7 @@ def main(argv: list[str] | None = None) -> dict:
            "variants": [], "targets": [], "seconds": 0.0}
     os.makedirs(args.out, exist_ok=True)
     base = os.path.join(args.out, f"{name}-{res['device']}")
+    kept = _earlier_rows(base + ".json", names, res["settings"]) if args.merge else []
     ref: list[torch.Tensor] = []
     for v in names:
         spec = VARIANTS[v]
@@ -334,6 +358,8 @@ def main(argv: list[str] | None = None) -> dict:
         if row["bits"] is None:
             row["bits"] = {"float32": 32, "bfloat16": 16, "float16": 16}[row["dtype"]]
         res["variants"].append(row)
+        if v == "float":
+            res["variants"] += kept
         print(f"{v:28s} ppl {row['ppl']:8.3f}  kl {row['kl']:.4f}  top1 {row['top1_agree']:.3f}  decode "
               f"{row['decode_tok_s']:6.1f} tok/s  throughput {row['throughput_tok_s']:6.1f} tok/s", flush=True)
         res["targets"], res["seconds"] = targets(res["variants"]), time.perf_counter() - t0

@@ -67,19 +67,20 @@ def layer_data(tiny_llama_dir):
     return layer, runner, targets
 
 
-@pytest.mark.parametrize("rounding", [True, False])
+@pytest.mark.parametrize("rounding", [False, True])
 def test_block_tuning_lowers_the_layer_output_error(layer_data, rounding):
     layer, runner, targets = layer_data
     lins = {n: m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
     canon = {n: rtn_canonical(m.weight, 4, 32, False) for n, m in lins.items()}
-    tuned, rep = tune_layer(layer, canon, runner.inputs, runner.kwargs, targets, iters=48, lr=1e-2, seqs=2,
-                            rounding=rounding)
-    assert rep.kept and rep.after < rep.before
+    trace = []
+    tuned, rep = tune_layer(layer, canon, runner.inputs, runner.kwargs, targets, iters=12, lr=1e-2, seqs=2,
+                            rounding=rounding, trace=trace)
+    assert rep.kept and rep.after < rep.before and len(trace) == 12
     assert set(tuned) == set(canon)
     for n, cw in tuned.items():
         assert torch.equal(cw.zeros, canon[n].zeros) and cw.codes.max() <= 15
-        if not rounding:
-            assert torch.equal(cw.codes, canon[n].codes)
+        moved = (cw.codes.int() - canon[n].codes.int()).abs()
+        assert moved.max() <= (1 if rounding else 0)
     assert torch.equal(lins["self_attn.q_proj"].weight, layer.self_attn.q_proj.weight)  # the layer is not changed
 
 

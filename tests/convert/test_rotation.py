@@ -28,7 +28,7 @@ def _logits(model, ids=PROMPT):
         return model(torch.tensor([ids])).logits[0]
 
 
-@pytest.mark.parametrize("n", [1, 2, 4, 12, 20, 28, 36, 64, 576, 896])
+@pytest.mark.parametrize("n", [1, 2, 12, 20, 28, 576, 896])
 def test_hadamard_orders(n):
     h = hadamard(n)
     assert torch.equal(h.abs(), torch.ones(n, n, dtype=torch.float64))
@@ -50,8 +50,8 @@ def test_bad_rotation_inputs():
         rotation_matrix("givens", 8)
 
 
-@pytest.mark.parametrize("case", ["llama-tied", "llama-untied", "qwen2"])
-@pytest.mark.parametrize("heads", [False, True])
+@pytest.mark.parametrize("case,heads", [("llama-tied", False), ("llama-tied", True), ("llama-untied", False),
+                                        ("qwen2", True)])
 def test_rotation_preserves_float_logits(tiny_dirs, case, heads):
     from transformers import AutoModelForCausalLM
 
@@ -108,11 +108,11 @@ def _dequantized_dir(qdir: str, canon: dict, dst: str) -> str:
 
 
 @pytest.mark.parametrize("method,extra", [("gptq", {}), ("rtn", {"rotate_heads": True})])
-def test_rotated_checkpoint_loads_in_lqe_and_transformers(tmp_path, method, extra):
+def test_rotated_checkpoint_loads_in_lqe_and_transformers(tiny_llama_dir, tmp_path, method, extra):
     from tools.convert.quantize import CalibOptions, quantize_checkpoint
     from tools.convert.spec import ExportSpec
 
-    base = build_tiny_model(str(tmp_path / "base"), "llama")
+    base = tiny_llama_dir
     out = str(tmp_path / "q")
     ids = torch.randint(0, 4000, (8, 32), generator=torch.Generator().manual_seed(0))
     opts = CalibOptions(num_samples=8, seq_len=32, rotate="hadamard", device="cpu", **extra)
@@ -134,3 +134,21 @@ def test_rotated_checkpoint_loads_in_lqe_and_transformers(tmp_path, method, extr
         quantize_checkpoint(base, plain, method, spec, CalibOptions(device="cpu"))
         ref = hf_prompt_logprobs(base)
         assert (got - ref).abs().max() < 2 * (engine_logprobs(plain) - ref).abs().max() + 0.01
+
+
+def test_rotated_streaming_matches_whole_model(tiny_dirs, tmp_path):
+    """Rotating layer by layer as they stream in writes the checkpoint whole-model calibration writes."""
+    from tools.convert.quantize import CalibOptions, quantize_checkpoint
+    from tools.convert.spec import ExportSpec
+
+    base = tiny_dirs["llama-untied"]
+    ids = torch.randint(0, 4000, (4, 32), generator=torch.Generator().manual_seed(0))
+    outs = []
+    for stream in (True, False):
+        out = str(tmp_path / f"q{stream}")
+        opts = CalibOptions(rotate="hadamard", rotate_heads=True, device="cpu", refine_passes=1)
+        quantize_checkpoint(base, out, "gptq", ExportSpec(group_size=32), opts, stream=stream, input_ids=ids)
+        outs.append(load_file(os.path.join(out, "model.safetensors")))
+    assert outs[0].keys() == outs[1].keys()
+    for k in outs[0]:
+        assert torch.allclose(outs[0][k].float(), outs[1][k].float(), atol=1e-6), k

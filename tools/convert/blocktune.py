@@ -24,8 +24,9 @@ from lqe.quant_layers.canonical import CanonicalWeight, build_canonical
 from tools.convert.blocks import slice_batch
 
 
-V_STEPS = 2.0  # total signed-gradient travel of a rounding offset over all iterations (0.5 flips a code)
-V_RANGE = 1.0
+# total signed-gradient travel of a rounding offset over all iterations: 0.5 flips a code, so only offsets pushed the
+# same way in most steps flip one. Larger values flipped too many codes at once on SmolLM2 and made layers worse.
+V_STEPS = 0.25
 
 
 @dataclass(slots=True)
@@ -38,10 +39,10 @@ class TuneReport:
 class _Param:
     """Learnable view of one linear's CanonicalWeight: ``W = (s exp(a))[g] (clamp(q + round(v)) - z[g])``."""
 
-    def __init__(self, cw: CanonicalWeight, rounding: bool, base: torch.Tensor | None = None) -> None:
+    def __init__(self, cw: CanonicalWeight, rounding: bool) -> None:
         self.cw = cw
         self.gi = cw.group_index()
-        self.codes = cw.codes.float() if base is None or not rounding else base.float()
+        self.codes = cw.codes.float()
         self.scales = cw.scales.float()
         self.zeros = cw.zero_points().float()
         self.a = torch.zeros_like(self.scales, requires_grad=True)
@@ -81,15 +82,14 @@ def _full_loss(layer, weights, inputs, kwargs, targets) -> float:
 
 
 def tune_layer(layer: nn.Module, canon: dict[str, CanonicalWeight], inputs: list[torch.Tensor], kwargs: list[dict],
-               targets: list[torch.Tensor], iters: int, lr: float = 5e-3, seqs: int = 4, rounding: bool = True,
+               targets: list[torch.Tensor], iters: int, lr: float = 5e-3, seqs: int = 4, rounding: bool = False,
                scale_dtype: torch.dtype = torch.float16, seed: int = 0,
-               bases: dict[str, torch.Tensor] | None = None,
                trace: list[float] | None = None) -> tuple[dict[str, CanonicalWeight], TuneReport]:
     """Tune the quantization parameters of ``canon`` (keyed by the linears' names inside ``layer``) for ``iters``
     steps of ``seqs`` calibration sequences each; ``inputs[b]`` / ``targets[b]`` ``[B, T, H]`` with ``kwargs[b]`` the
     decoder layer's keyword arguments of batch ``b``. Returns the new CanonicalWeights (``canon`` itself when tuning
     did not lower the error on all the sequences) and the errors before / after."""
-    params = {n: _Param(cw, rounding, (bases or {}).get(n)) for n, cw in canon.items()}
+    params = {n: _Param(cw, rounding) for n, cw in canon.items()}
 
     def weights() -> dict[str, torch.Tensor]:
         return {f"{n}.weight": p.weight() for n, p in params.items()}
@@ -119,7 +119,7 @@ def tune_layer(layer: nn.Module, canon: dict[str, CanonicalWeight], inputs: list
             with torch.no_grad():
                 for p in params.values():
                     if p.v is not None and p.v.grad is not None:
-                        p.v.sub_(v_lr * torch.sign(p.v.grad)).clamp_(-V_RANGE, V_RANGE)
+                        p.v.sub_(v_lr * torch.sign(p.v.grad)).clamp_(-1.0, 1.0)
     with torch.no_grad():
         tuned = {n: p.result(scale_dtype) for n, p in params.items()}
         after = _full_loss(layer, {f"{n}.weight": cw.dequantize().t() for n, cw in tuned.items()}, inputs, kwargs,

@@ -102,12 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="GPTQ: passes of coordinate descent over each layer's codes plus a closed-form refit of its "
                           "scales, on GPTQ's own objective (0 = off)")
     acc.add_argument("--tune-iters", type=int, default=0,
-                     help="GPTQ: steps of block-output tuning per decoder layer (scales by Adam, code rounding by "
-                          "signed gradient, on the layer's output error; 0 = off)")
+                     help="GPTQ: steps of block-output tuning per decoder layer: Adam on the group scales against the "
+                          "layer's output error (0 = off)")
     acc.add_argument("--tune-lr", type=float, default=5e-3, help="learning rate of the scale multipliers (--tune-iters)")
     acc.add_argument("--tune-seqs", type=int, default=4, help="calibration windows per tuning step (--tune-iters)")
-    acc.add_argument("--tune-scales-only", action="store_true",
-                     help="--tune-iters tunes the scales only, not the rounding of the codes")
+    acc.add_argument("--tune-rounding", action="store_true",
+                     help="--tune-iters also moves codes by one step (AutoRound-style signed gradient on a rounding "
+                          "offset; default: scales only)")
     v = sub.add_parser("verify", help="decode a GPTQ/AWQ/compressed-tensors checkpoint and check it", formatter_class=_Help)
     v.add_argument("dir", help="the quantized checkpoint directory")
     v.add_argument("--against", default=None, help="float (or fake-quantized) checkpoint to compare decoded weights with (default: "
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                                 offload_activations=a.offload_activations,
                                 rotate=None if a.rotate == "none" else a.rotate, rotate_heads=a.rotate_heads,
                                 awq_scale=a.awq_scale, refine_passes=a.refine_passes, tune_iters=a.tune_iters,
-                                tune_lr=a.tune_lr, tune_seqs=a.tune_seqs, tune_rounding=not a.tune_scales_only)
+                                tune_lr=a.tune_lr, tune_seqs=a.tune_seqs, tune_rounding=a.tune_rounding)
             r, res = quantize_checkpoint(a.model, a.out, a.method, spec, opts, a.overwrite)
             print(f"{a.method}: quantized {len(r.layers)} layers in {res.seconds:.1f} s -> {r.out_dir} ({', '.join(r.files)})")
         else:

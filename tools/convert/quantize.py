@@ -45,7 +45,7 @@ class CalibOptions:
     tune_iters: int = 0  # GPTQ: steps of block-output tuning per decoder layer (blocktune.tune_layer); 0 = off
     tune_lr: float = 5e-3
     tune_seqs: int = 4  # calibration sequences per tuning step
-    tune_rounding: bool = True  # also tune the rounding of each code (else the scales only)
+    tune_rounding: bool = False  # also tune the rounding of each code (signed gradient; default: the scales only)
     rotate: str | None = None  # residual-stream rotation absorbed into the weights: hadamard | orthogonal (rotation.py)
     rotate_heads: bool = False  # with rotate: also a per-head rotation between v_proj and o_proj (SpinQuant R2)
     awq_scale: bool = False  # GPTQ: fold AWQ's searched per-channel scales into each layer before GPTQ quantizes it
