@@ -137,6 +137,15 @@ def test_recipe_and_variant_commands():
     r = avt.recipe(" ".join(cmd[1:]))
     assert r.startswith("--method gptq --format gptq --bits 4 --group-size 128 --sym --desc-act --static-groups")
     assert "/m" not in r and "--calib c.txt" in r
+    # the issue-18 accuracy recipes: named (or all as "recipes"), not in the default set; each carries its own
+    # calibration size, which the script's --calib-samples / --calib-seq-len do not override
+    assert avt.RECIPES == ["gptq-w4g128-sym-rot", "gptq-w4g128-asym-rot", "gptq-w4g64-asym-rot"]
+    assert not set(avt.RECIPES) & set(avt.default_variants())
+    cmd = avt.convert_command("/m", "/o/x", avt.VARIANTS["gptq-w4g128-asym-rot"], ns)
+    assert cmd[cmd.index("--rotate") + 1] == "hadamard" and "--rotate-heads" in cmd
+    assert cmd.count("--num-samples") == 1 and cmd[cmd.index("--num-samples") + 1] == "128"
+    assert avt.targets([{"name": "float", "ppl": 29.5}, {"name": "gptq-w4g128-sym-rot", "ppl": 33.0}])[0]["met"]
+    assert not avt.targets([{"name": "float", "ppl": 29.5}, {"name": "gptq-w4g64-asym-rot", "ppl": 33.0}])[0]["met"]
 
 
 def test_gptq_reference_names_the_missing_library(monkeypatch, tmp_path):
