@@ -35,7 +35,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import torch  # noqa: E402
 
-from common import env_info  # noqa: E402
+from common import env_info, write_random_checkpoint  # noqa: E402
 
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192,
@@ -62,47 +62,13 @@ KERNELS_PER_COLUMN = 13  # GPTQ's inner loop: divide, round, add, clamp, cast, s
 # ------------------------------------------------------------------------------------------------ checkpoint
 def build_checkpoint(fields: dict, out_dir: Path, seed: int) -> Path:
     """A bf16 safetensors Llama checkpoint with N(0, 0.02) weights and unit norms (reused when present)."""
-    if (out_dir / "config.json").exists():
-        return out_dir
-    from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(**fields, torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1)
     config.architectures = ["LlamaForCausalLM"]
-    with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in LlamaForCausalLM(config).state_dict().items()}
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    shard, size, weight_map = {}, 0, {}
-
-    def flush() -> None:
-        nonlocal shard, size
-        if shard:
-            name = f"model-{len(set(weight_map.values())):05d}.safetensors"
-            save_file(shard, str(tmp / name), metadata={"format": "pt"})
-            weight_map.update({k: name for k in shard})
-            shard, size = {}, 0
-
-    for name, shape in shapes.items():
-        if name.endswith("norm.weight"):
-            t = torch.ones(shape, dtype=torch.bfloat16)
-        else:
-            t = (torch.randn(shape, generator=gen, device=dev) * 0.02).to(torch.bfloat16).cpu()
-        shard[name] = t
-        size += t.numel() * 2
-        if size >= SHARD_BYTES:
-            flush()
-    flush()
-    config.save_pretrained(tmp)
-    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    tmp.rename(out_dir)
-    return out_dir
+    return write_random_checkpoint(config, LlamaForCausalLM, out_dir, seed, SHARD_BYTES)
 
 
-# ------------------------------------------------------------------------------------------------ the floor
 def _timed(fn, device: torch.device, reps: int = 5) -> float:
     fn()
     times = []

@@ -40,3 +40,49 @@ def random_prompts(n: int, min_len: int, max_len: int, vocab: int, seed: int) ->
 def random_lengths(n: int, lo: int, hi: int, seed: int) -> list[int]:
     rng = random.Random(seed + 1)
     return [rng.randint(lo, hi) for _ in range(n)]
+
+
+def write_random_checkpoint(config, model_cls, out_dir, seed: int, shard_bytes: int = 4 << 30):
+    """Write ``model_cls(config)`` as a bf16 safetensors checkpoint in ``out_dir`` (a ``pathlib.Path``) with N(0, 0.02)
+    weights and unit norms, sharded at ``shard_bytes``, without ever building the model; reused when present.
+    The weights are drawn on the GPU when there is one (an 8B model's worth of randn on CPU takes minutes)."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    if (out_dir / "config.json").exists():
+        return out_dir
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in model_cls(config).state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    shard, size, weight_map = {}, 0, {}
+
+    def flush() -> None:
+        nonlocal shard, size
+        if shard:
+            name = f"model-{len(set(weight_map.values())):05d}.safetensors"
+            save_file(shard, str(tmp / name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+            shard, size = {}, 0
+
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            t = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            t = (torch.randn(shape, generator=gen, device=dev) * 0.02).to(torch.bfloat16).cpu()
+        shard[name] = t
+        size += t.numel() * 2
+        if size >= shard_bytes:
+            flush()
+    flush()
+    config.save_pretrained(tmp)
+    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    tmp.rename(out_dir)
+    return out_dir

@@ -34,7 +34,6 @@ import os
 import platform
 import random
 import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+
+from common import write_random_checkpoint  # noqa: E402
 
 SHAPES = {  # HF config fields of the real models; weights are random
     "llama3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -68,46 +69,13 @@ def build_random_model(shape: str, out_dir: Path, seed: int) -> Path:
     """A bf16 safetensors checkpoint with the shape's config and N(0, 0.02) weights (norm weights 1)."""
     if (out_dir / "config.json").exists():
         return out_dir
-    from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     arch, fields = SHAPES[shape]
     cfg_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
     config = cfg_cls(**fields, torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1)
     config.architectures = [model_cls.__name__]
-    with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in model_cls(config).state_dict().items()}
-    if config.tie_word_embeddings:
-        shapes.pop("lm_head.weight", None)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    shard, shard_bytes, weight_map, n = {}, 0, {}, 0
-
-    def flush():
-        nonlocal shard, shard_bytes, n
-        if shard:
-            name = f"model-{n:05d}.safetensors"
-            save_file(shard, str(tmp / name), metadata={"format": "pt"})
-            weight_map.update({k: name for k in shard})
-            shard, shard_bytes, n = {}, 0, n + 1
-
-    for name, shp in shapes.items():
-        if name.endswith("norm.weight"):
-            t = torch.ones(shp, dtype=torch.bfloat16)
-        else:
-            t = (torch.randn(shp, generator=gen, device=dev) * 0.02).to(torch.bfloat16).cpu()
-        shard[name] = t
-        shard_bytes += t.numel() * 2
-        if shard_bytes >= SHARD_BYTES:
-            flush()
-    flush()
-    config.save_pretrained(tmp)
-    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    tmp.rename(out_dir)
-    return out_dir
+    return write_random_checkpoint(config, model_cls, out_dir, seed, SHARD_BYTES)
 
 
 def quantize_command(src: Path, fmt: str, out_dir: Path) -> list[str]:
