@@ -75,7 +75,7 @@ def candidates(k: int, n: int):
     plus skip notes; the optional third element times the model columns (:func:`add_model_columns`)."""
     import lqe.kernels as lk
     from lqe.kernels import w8a8
-    from lqe.quant_layers.canonical import CanonicalWeight
+    from lqe.kernels.canonical import CanonicalWeight
 
     dev, out = "cuda", {}
     wbytes_bf16 = k * n * 2
@@ -156,7 +156,7 @@ def wna16_sweep(shapes: list[str], ms: list[int]) -> list[dict]:
     the geometric mean over shapes and the bytes floor (packed weights + scales + x + y at d2d copy speed)."""
     import lqe.kernels as lk
     from lqe.kernels import triton_wna16 as tw
-    from lqe.quant_layers.canonical import CanonicalWeight
+    from lqe.kernels.canonical import CanonicalWeight
 
     copy_gbps = copy_bandwidth()
     rows, by_m = [], {}

@@ -20,7 +20,7 @@ from lqe.quant_layers import reference as ref  # noqa: E402
 from lqe.quant_layers import w8a8 as w8a8_mod  # noqa: E402
 from lqe.quant_layers import weight_only, wna16_kernels  # noqa: E402
 from lqe.quant_layers.awq import AWQConfig  # noqa: E402
-from lqe.quant_layers.canonical import CanonicalWeight  # noqa: E402
+from lqe.kernels.canonical import CanonicalWeight  # noqa: E402
 from lqe.quant_layers.compressed_tensors import CompressedTensorsConfig  # noqa: E402
 from lqe.quant_layers.gptq import GPTQConfig  # noqa: E402
 from qutil import load, make_layer, rel_err  # noqa: E402

@@ -1,5 +1,5 @@
 """The package's import directions (DESIGN.md layout): layers never import the engine, kernels never import
-layers or the engine, and the forward context sits at the package top level where both can reach it."""
+quant layers, layers or the engine (shared types such as CanonicalWeight live in lqe/kernels), and the forward context sits at the package top level where both can reach it."""
 import ast
 from pathlib import Path
 
@@ -9,7 +9,7 @@ PKG = Path(__file__).resolve().parents[1] / "lqe"
 
 FORBIDDEN = {  # package -> packages its modules must not import
     "layers": ("lqe.engine", "lqe.entrypoints", "lqe.llm"),
-    "kernels": ("lqe.engine", "lqe.layers", "lqe.entrypoints", "lqe.models", "lqe.llm"),
+    "kernels": ("lqe.engine", "lqe.layers", "lqe.quant_layers", "lqe.loaders", "lqe.entrypoints", "lqe.models", "lqe.llm"),
     "quant_layers": ("lqe.engine", "lqe.entrypoints", "lqe.models", "lqe.llm"),
     "models": ("lqe.engine", "lqe.entrypoints", "lqe.llm"),
 }

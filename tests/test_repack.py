@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lqe.kernels import gemm_ref, repack
-from lqe.quant_layers.canonical import CanonicalWeight
+from lqe.kernels.canonical import CanonicalWeight
 
 SHAPES = [(64, 64), (320, 128), (448, 320)]  # K not a multiple of 128: short last group
 GROUPS = [32, 64, 128, -1]

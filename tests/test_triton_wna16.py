@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent("""
     triton_compat.patch()
     import torch
     from lqe.kernels import gemm, gemm_ref, repack, triton_wna16 as tw
-    from lqe.quant_layers.canonical import CanonicalWeight
+    from lqe.kernels.canonical import CanonicalWeight
 
     def canonical(k, n, bits, gs, asym, act_order, seed):
         g = torch.Generator().manual_seed(seed)

@@ -8,7 +8,7 @@ separate quantization launch).
 Contract: EXACTLY the bits of the unfused path. The float activation is first rounded to the activation dtype as
 :func:`lqe.kernels.fused_ops.rms_norm` / :func:`~lqe.kernels.fused_ops.silu_and_mul` round it (the kernels below run
 the same row code, and the norm launches with the same BLOCK / num_warps, hence the same reduction order), then
-quantized like :func:`lqe.quant_layers.reference.per_token_quant_int8` and csrc/gemm/quant_per_token.cu:
+quantized like :func:`lqe.kernels.act_quant_ref.per_token_quant_int8` and csrc/gemm/quant_per_token.cu:
 ``scale = absmax / 127`` and ``inv = 127 / absmax`` as correctly rounded fp32 quotients (``tl.div_rn``),
 ``q = sat(round_half_even(y * inv))``; an all-zero row gives scale 0 and q 0. Rounding: the product is clamped to
 [-128, 127] (which commutes with rounding to an integer there), then ``(v + 1.5 * 2^23) - 1.5 * 2^23`` rounds it to
@@ -45,7 +45,7 @@ def unavailable_reason(device: torch.device | str) -> str | None:
 
 # ------------------------------------------------------------------------------------------------ torch twins
 def _quant_rows(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    from lqe.quant_layers.reference.w8a8 import per_token_quant_int8
+    from lqe.kernels.act_quant_ref import per_token_quant_int8
 
     q, s, _ = per_token_quant_int8(y.reshape(-1, y.shape[-1]), True)
     return q.view(y.shape), s.view(*y.shape[:-1], 1)

@@ -19,7 +19,7 @@ import torch
 from lqe.kernels import build, dispatch
 from lqe.kernels.device_info import sm_count as device_sm_count
 from lqe.kernels.repack import PackedWNA16, repack_wna16, wna16_unsupported
-from lqe.quant_layers.canonical import CanonicalWeight
+from lqe.kernels.canonical import CanonicalWeight
 
 log = logging.getLogger(__name__)
 

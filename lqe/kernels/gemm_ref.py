@@ -123,7 +123,7 @@ def quantize_per_token_ref(x: torch.Tensor, symmetric: bool = True):
     """Twin of csrc/gemm/quant_per_token.cu: the contract ``reference.per_token_quant_int8`` (evaluated on the
     CPU, where ``/ 127`` is a true division) with ``[M]``-shaped scales: ``(q int8, scale fp32 [M], azp int32 [M]
     or None)``."""
-    from lqe.quant_layers.reference import per_token_quant_int8
+    from lqe.kernels.act_quant_ref import per_token_quant_int8
 
     q, s, azp = per_token_quant_int8(x.cpu(), symmetric)
     dev = x.device

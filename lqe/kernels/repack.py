@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lqe.quant_layers.canonical import CanonicalWeight
+from lqe.kernels.canonical import CanonicalWeight
 
 NIBBLE_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # position p of a word holds logical value NIBBLE_ORDER[p]
 BYTE_ORDER = (0, 2, 1, 3)

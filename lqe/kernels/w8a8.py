@@ -58,7 +58,7 @@ def w8a8_linear(x: torch.Tensor, packed: PackedW8A8, bias: torch.Tensor | None =
 
 def quantize_static(x: torch.Tensor, scale: torch.Tensor, azp: torch.Tensor | None = None) -> torch.Tensor:
     """Static per-tensor int8 quantization ``sat(round(x / scale) (+ azp))`` (torch ops; the same arithmetic as
-    :func:`lqe.quant_layers.reference.static_quant_int8`)."""
+    :func:`lqe.kernels.act_quant_ref.static_quant_int8`)."""
     q = torch.round(x.float() / scale.float())
     if azp is not None:
         q = q + azp.float()
@@ -212,7 +212,7 @@ def quantize_per_token_any(x: torch.Tensor, symmetric: bool = True):
     (same results up to torch-on-CUDA's reciprocal division, see csrc/gemm/quant_per_token.cu)."""
     if x.device.type == "cuda" and gemm.available():
         return quantize_per_token(x, symmetric)
-    from lqe.quant_layers.reference import per_token_quant_int8
+    from lqe.kernels.act_quant_ref import per_token_quant_int8
 
     q, s, azp = per_token_quant_int8(x.reshape(-1, x.shape[-1]), symmetric)
     return q, s.reshape(-1), None if azp is None else azp.reshape(-1)

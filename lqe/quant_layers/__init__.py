@@ -5,7 +5,7 @@ checkpoint's quantization config and checks it against what the user asked for.
 """
 from lqe.quant_layers.awq import AWQConfig
 from lqe.quant_layers.base import LinearMethod, QuantConfig
-from lqe.quant_layers.canonical import CanonicalWeight
+from lqe.kernels.canonical import CanonicalWeight
 from lqe.quant_layers.compressed_tensors import CompressedTensorsConfig
 from lqe.quant_layers.gptq import GPTQConfig
 from lqe.quant_layers.resolve import QUANT_METHODS, find_quant_config, resolve_quant_config

@@ -10,7 +10,7 @@ from torch import nn
 
 from lqe.quant_layers import reference as ref
 from lqe.quant_layers.base import LinearMethod, QuantConfig, empty_param
-from lqe.quant_layers.canonical import CanonicalWeight, build_canonical
+from lqe.kernels.canonical import CanonicalWeight, build_canonical
 from lqe.quant_layers.checks import config_number
 from lqe.quant_layers.loading import FLOAT_DTYPES, add_param, is_loaded, require_loaded
 from lqe.quant_layers.prefixes import is_lm_head, resolve_shards

@@ -8,7 +8,7 @@ from torch import nn
 
 from lqe.quant_layers import reference as ref
 from lqe.quant_layers.base import empty_param
-from lqe.quant_layers.canonical import CanonicalWeight
+from lqe.kernels.canonical import CanonicalWeight
 from lqe.quant_layers.ct_scheme import CTScheme
 from lqe.quant_layers.loading import FLOAT_DTYPES, INT_DTYPES, add_param, is_loaded, require_loaded
 from lqe.quant_layers.weight_only import (WeightOnlyMethod, check_row_groups, group_label, group_rows, replicated_groups,

@@ -15,7 +15,7 @@ from torch import nn
 
 from lqe.quant_layers import reference as ref
 from lqe.quant_layers.base import LinearMethod, QuantConfig, empty_param
-from lqe.quant_layers.canonical import CanonicalWeight
+from lqe.kernels.canonical import CanonicalWeight
 from lqe.quant_layers.checks import config_number
 from lqe.quant_layers.gptq_rules import NO_MATCH, SKIP, DynamicRule, dynamic_for_layer, layer_quantized, parse_dynamic
 from lqe.quant_layers.loading import FLOAT_DTYPES, add_param, is_loaded, require_loaded

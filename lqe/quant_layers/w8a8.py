@@ -24,7 +24,7 @@ from torch import nn
 
 from lqe.quant_layers import reference as ref
 from lqe.quant_layers.base import LinearMethod, empty_param
-from lqe.quant_layers.canonical import CanonicalWeight
+from lqe.kernels.canonical import CanonicalWeight
 from lqe.quant_layers.ct_scheme import CTScheme
 from lqe.quant_layers.loading import FLOAT_DTYPES, INT_DTYPES, add_param, drop_params, require_loaded
 from lqe.quant_layers.quantized_activation import INT8_PER_TOKEN_SYM, QuantizedActivation

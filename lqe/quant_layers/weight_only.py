@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lqe.quant_layers.base import LinearMethod
-from lqe.quant_layers.canonical import CanonicalWeight, build_canonical
+from lqe.kernels.canonical import CanonicalWeight, build_canonical
 from lqe.quant_layers.loading import drop_params
 from lqe.quant_layers.wna16_kernels import cuda_kernels_declined, layer_kind, log_fallback_once, select_w4a16_kernel
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lqe.quant_layers.canonical import CanonicalWeight
+from lqe.kernels.canonical import CanonicalWeight
 
 CHUNK_ELEMS = 1 << 23  # dequantize at most this many weights at once (32 MB in fp32)
 INT4PACK_GROUPS = (32, 64, 128, 256)

@@ -7,7 +7,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 from lqe.kernels import gemm, gemm_ref, repack  # noqa: E402
-from lqe.quant_layers.canonical import CanonicalWeight  # noqa: E402
+from lqe.kernels.canonical import CanonicalWeight  # noqa: E402
 
 MS = [1, 7, 16, 33, 64, 257, 1024]
 SHAPES = [(256, 192), (1024, 256), (4096, 4096)]

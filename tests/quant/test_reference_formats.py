@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lqe.quant_layers import reference as ref
-from lqe.quant_layers.canonical import CanonicalWeight
+from lqe.kernels.canonical import CanonicalWeight
 
 W = 0x76543210  # 1985229328 as int32
 

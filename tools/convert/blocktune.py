@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from lqe.quant_layers.canonical import CanonicalWeight, build_canonical
+from lqe.kernels.canonical import CanonicalWeight, build_canonical
 from tools.convert.blocks import slice_batch
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lqe.quant_layers.canonical import CanonicalWeight
+from lqe.kernels.canonical import CanonicalWeight
 from tools.convert import writer
 from tools.convert.fakequant import recover_grid
 from tools.convert.packers import pack_layer, v1_zero_layers

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lqe.quant_layers.canonical import CanonicalWeight, build_canonical
+from lqe.kernels.canonical import CanonicalWeight, build_canonical
 from lqe.quant_layers.reference import num_groups
 
 CODE_TOL = 1e-3  # allowed distance from an integer code, in units of the scale (fp32 sources)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from lqe.quant_layers.canonical import CanonicalWeight, build_canonical
+from lqe.kernels.canonical import CanonicalWeight, build_canonical
 from lqe.quant_layers.reference import num_groups, rtn_quantize
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from lqe.quant_layers import reference as ref
-from lqe.quant_layers.canonical import CanonicalWeight
+from lqe.kernels.canonical import CanonicalWeight
 from tools.convert.spec import ConvertError, ExportSpec
 
 

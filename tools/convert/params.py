@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from lqe.quant_layers.canonical import CanonicalWeight, build_canonical
+from lqe.kernels.canonical import CanonicalWeight, build_canonical
 from lqe.quant_layers.reference import num_groups
 from tools.convert.spec import ConvertError
 

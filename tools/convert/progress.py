@@ -8,7 +8,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from lqe.quant_layers.canonical import CanonicalWeight
+from lqe.kernels.canonical import CanonicalWeight
 from tools.convert.blocks import BlockRunner, slice_batch
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lqe.quant_layers.canonical import CanonicalWeight
+from lqe.kernels.canonical import CanonicalWeight
 from tools.convert import writer
 from tools.convert.awq import AWQ_MAPPINGS, awq_layer
 from tools.convert.blocks import SEQUENTIAL, BlockRunner, input_hooks, linear_groups, slice_batch

@@ -22,7 +22,7 @@ from typing import Iterator
 
 import torch
 
-from lqe.quant_layers.canonical import CanonicalWeight, build_canonical
+from lqe.kernels.canonical import CanonicalWeight, build_canonical
 
 
 @dataclass(slots=True)

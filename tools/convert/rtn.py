@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lqe.quant_layers.canonical import CanonicalWeight
+from lqe.kernels.canonical import CanonicalWeight
 from lqe.quant_layers.reference import rtn_quantize
 
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from lqe.quant_layers.canonical import CanonicalWeight
+from lqe.kernels.canonical import CanonicalWeight
 from tools.convert.blocks import BlockRunner, decoder_layers, use_repeated_kv_attention
 from tools.convert.progress import LayerErrorProbe, weight_error
 from tools.convert.spec import ConvertError

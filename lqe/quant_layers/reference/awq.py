@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from lqe.quant_layers.canonical import CanonicalWeight
+from lqe.kernels.canonical import CanonicalWeight
 from lqe.quant_layers.reference.packing import pack_int32, unpack_int32
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # field i holds column AWQ_ORDER[i] of its group of 8

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from lqe.quant_layers.canonical import CanonicalWeight
+from lqe.kernels.canonical import CanonicalWeight
 from lqe.quant_layers.reference.packing import pack_int32, unpack_int32
 
 FP8_E4M3_MAX = 448.0

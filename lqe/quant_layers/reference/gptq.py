@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from lqe.quant_layers.canonical import CanonicalWeight
+from lqe.kernels.canonical import CanonicalWeight
 from lqe.quant_layers.reference.packing import pack_int32, packed_size, unpack_int32
 
 GPTQ_FORMATS = ("gptq", "gptq_v2")

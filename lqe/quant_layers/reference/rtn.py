@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from lqe.quant_layers.canonical import CanonicalWeight
+from lqe.kernels.canonical import CanonicalWeight
 
 
 def rtn_quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool, g_idx: torch.Tensor | None = None) -> CanonicalWeight:
