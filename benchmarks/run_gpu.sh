@@ -14,11 +14,21 @@
 #   bash benchmarks/run_gpu.sh                 # results in benchmarks/results/
 #   OUT=/some/dir bash benchmarks/run_gpu.sh   # results (and logs) in /some/dir
 #   LQE_COMMIT=abc1234 ...                     # the commit measured, where the tree has no .git
+#   bash benchmarks/run_gpu.sh --w4a16         # one focused stage instead: benchmarks/stages/w4a16.sh (build, that
+#                                              # issue's GPU tests and its sweep, JSON; each under 8 minutes)
 # Stage time limits (seconds): LQE_TEST_TIMEOUT (300), LQE_KERNELS_TIMEOUT (150), LQE_E2E_TIMEOUT (240),
 # LQE_CALIB_TIMEOUT (300; LQE_CALIB_ARGS replaces "--layers 4 --methods gptq-sym").
 # LQE_SKIP="kernels e2e calib" skips stages by name (reported as "skipped"); LQE_TESTS="tests/gpu/x.py" narrows stage 2.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [[ "${1:-}" == --* ]]; then  # a focused stage: benchmarks/stages/<name>.sh
+  stage="benchmarks/stages/${1#--}.sh"
+  if [[ ! -f "$stage" ]]; then
+    echo "run_gpu.sh: no stage '${1#--}'; stages: $(ls benchmarks/stages | grep -v common.sh | sed 's/\.sh$//' | tr '\n' ' ')" >&2
+    exit 2
+  fi
+  shift; exec bash "$stage" "$@"
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUTDIR="${OUT:-benchmarks/results}"; mkdir -p "$OUTDIR"
 LOGDIR="$OUTDIR/logs"; mkdir -p "$LOGDIR"

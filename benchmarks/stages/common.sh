@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Sourced by every focused GPU stage (benchmarks/stages/<name>.sh, run as `bash benchmarks/run_gpu.sh --<name>`):
+# environment, output folder, GPU slug, and the CUDA build for this GPU only. Defines:
+#   OUTDIR LOGDIR SLUG  and  run_tests <pytest args...>  (gpu-marked tests, JUnit XML in $LOGDIR)
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUTDIR="${OUT:-benchmarks/results}"; mkdir -p "$OUTDIR"
+LOGDIR="$OUTDIR/logs"; mkdir -p "$LOGDIR"
+if ! python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "stage: no CUDA GPU visible (torch.cuda.is_available() is False); nothing was run." >&2
+  exit 2
+fi
+SLUG=$(python -c "import re,torch;print(re.sub(r'[^a-z0-9]+','-',torch.cuda.get_device_name(0).lower()).strip('-'))")
+if [[ -z "${LQE_CUDA_ARCHS:-}" ]]; then
+  LQE_CUDA_ARCHS=$(python -c "import torch;c=torch.cuda.get_device_capability();print(f'{c[0]}{c[1]}'+('a' if c[0]==9 else ''))")
+  export LQE_CUDA_ARCHS
+fi
+echo "== build the CUDA kernels ($LQE_CUDA_ARCHS)"
+t0=$(date +%s)
+python -c "import logging,sys;logging.basicConfig(level=logging.INFO);import lqe.kernels as k;ok=k.available();print('lqe kernels available:',ok,k.unavailable_reason() or '');sys.exit(0 if ok else 1)" \
+  2>&1 | tee "$LOGDIR/build.log" | tail -20
+BUILD_RC=${PIPESTATUS[0]}
+echo "build: exit $BUILD_RC in $(( $(date +%s) - t0 )) s"
+
+run_tests() {  # run_tests NAME pytest-args...: gpu-marked tests, summary line, JUnit XML in $LOGDIR/NAME.xml
+  local name=$1; shift
+  timeout "${LQE_TEST_TIMEOUT:-300}" python -m pytest -m gpu -q -p no:cacheprovider --junitxml="$LOGDIR/$name.xml" "$@" \
+    > "$LOGDIR/$name.txt" 2>&1
+  local rc=$?
+  echo "-- tests $name: exit $rc"; tail -25 "$LOGDIR/$name.txt"
+  return $rc
+}
