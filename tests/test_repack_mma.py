@@ -1,0 +1,164 @@
+"""CPU tests of the ``lqe-w4a16-mma`` layout: every checkpoint format decodes to a CanonicalWeight, is repacked
+(lqe.kernels.repack_mma) and decoded the way the CUDA threads do (lqe.kernels.mma_ref); the result must be the
+canonical dequantization in the activation dtype, bit for bit."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lqe.kernels import mma_ref, repack_mma
+from lqe.kernels.canonical import CanonicalWeight
+from lqe.quant_layers.reference import awq as awq_ref
+from lqe.quant_layers.reference import ct as ct_ref
+from lqe.quant_layers.reference import gptq as gptq_ref
+
+
+def make_canonical(k, n, bits, gs, asym, act_order, seed, zero_min=0):
+    g = torch.Generator().manual_seed(seed)
+    gsz = k if gs == -1 else gs
+    ng = -(-k // gsz)
+    codes = torch.randint(0, 2**bits, (k, n), dtype=torch.uint8, generator=g)
+    scales = (torch.rand(ng, n, generator=g) * 0.05 + 0.001).half().float()  # checkpoints store fp16 scales
+    zeros = torch.randint(zero_min, 2**bits, (ng, n), dtype=torch.uint8, generator=g) if asym else None
+    g_idx = (torch.randperm(k, generator=g) // gsz).to(torch.int32) if act_order else None
+    return CanonicalWeight(codes, scales, zeros, g_idx, bits, gs)
+
+
+def through_format(cw: CanonicalWeight, fmt: str) -> CanonicalWeight:
+    """Encode ``cw`` as a checkpoint of ``fmt`` and decode it back the way the loaders do."""
+    k, n = cw.shape
+    if fmt in ("gptq", "gptq_v2"):
+        t = gptq_ref.encode_gptq(cw, fmt)
+        g_idx = t["g_idx"] if cw.g_idx is not None else None
+        return gptq_ref.decode_gptq(t["qweight"], t["qzeros"], t["scales"], g_idx, cw.bits, cw.group_size,
+                                    sym=cw.zeros is None, fmt=fmt)
+    if fmt == "awq":
+        t = awq_ref.encode_awq(cw)
+        return awq_ref.decode_awq(t["qweight"], t["qzeros"] if cw.zeros is not None else None, t["scales"],
+                                  cw.group_size)
+    t = ct_ref.encode_ct_packed(cw)
+    return ct_ref.decode_ct_packed(t["weight_packed"], t["weight_scale"], t["weight_shape"], cw.bits,
+                                   cw.group_size, t.get("weight_zero_point"), t.get("weight_g_idx"))
+
+
+def reference(cw: CanonicalWeight, dtype: torch.dtype) -> torch.Tensor:
+    """``CanonicalWeight.dequantize`` in the activation dtype, scales as the kernel holds them (in ``dtype``)."""
+    cw_t = CanonicalWeight(cw.codes, cw.scales.to(dtype).float(), cw.zeros, cw.g_idx, cw.bits, cw.group_size)
+    return cw_t.dequantize(torch.float32).to(dtype)
+
+
+def check_exact(cw: CanonicalWeight, dtype: torch.dtype) -> repack_mma.PackedMMA:
+    k, n = cw.shape
+    p = repack_mma.repack_mma(cw, dtype)
+    assert p.k_pad % 64 == 0 and p.n_pad % 256 == 0 and p.k_pad - k < 64 and p.n_pad - n < 256
+    assert p.qweight.dtype == torch.int32 and p.qweight.numel() * 32 == p.k_pad * p.n_pad * cw.bits
+    perm = p.perm if p.perm is not None else torch.arange(k)
+    assert (p.perm is not None) == cw.has_act_order()
+    codes = mma_ref.unpack_mma_codes(p)
+    assert torch.equal(codes[:k, :n], cw.codes.long()[perm])
+    assert not codes[k:].any() and not codes[:, n:].any()  # padding holds zero codes
+    got = mma_ref.dequantize_mma(p)
+    assert got.dtype == dtype
+    assert torch.equal(got[:k, :n], reference(cw, dtype)[perm])
+    assert not got[:, n:].any()  # padded columns have zero scales
+    return p
+
+
+# Every format x group size (K % g != 0 where K=200 and g=32/64/128) x 4/8 bits x fp16/bf16.
+FORMATS = [("gptq", False, False), ("gptq", True, False), ("gptq", False, True), ("gptq", True, True),
+           ("gptq_v2", True, True), ("awq", False, False), ("awq", True, False), ("ct", False, False),
+           ("ct", True, False), ("ct", False, True)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("gs", [-1, 32, 64, 128])
+@pytest.mark.parametrize("fmt,asym,act_order,bits", [(*f, b) for f in FORMATS for b in (4, 8) if f[0] != "awq" or b == 4])
+def test_every_format_decodes_bit_exact(fmt, asym, act_order, bits, gs, dtype):
+    # AWQ GEMM checkpoints are 4-bit only (the format has no 8-bit), hence no (awq, 8) case
+    if act_order and gs == -1:
+        act_order = False  # one group: g_idx is trivial and dropped by the decoders
+    k, n = 200, 136  # K % 64, K % g and N % 256 all non-zero: padding on both axes
+    cw = make_canonical(k, n, bits, gs, asym, act_order, seed=bits * 131 + gs + 7 * asym + 3 * act_order,
+                        zero_min=1 if fmt == "gptq" else 0)
+    cw = through_format(cw, fmt)
+    assert (cw.zeros is not None) == asym and cw.has_act_order() == act_order
+    check_exact(cw, dtype)
+
+
+@pytest.mark.parametrize("k,n", [(64, 256), (16, 8), (1000, 520)])
+def test_shapes_bit_exact(k, n):
+    for bits, dtype in [(4, torch.float16), (8, torch.bfloat16)]:
+        check_exact(make_canonical(k, n, bits, 16 if k == 16 else 64, True, k > 64, seed=k + n), dtype)
+
+
+def test_extreme_codes_and_zeros():
+    """Codes and zero points at both ends of their range (the magic-number paths have no headroom issue)."""
+    for bits in (4, 8):
+        top = 2**bits - 1
+        cw = make_canonical(128, 256, bits, 64, True, False, seed=bits)
+        cw.codes[:64] = top
+        cw.codes[64:] = 0
+        cw.zeros[0] = 0
+        cw.zeros[1] = top
+        for dtype in (torch.float16, torch.bfloat16):
+            check_exact(cw, dtype)
+
+
+def test_layout_vectors_are_stage_contiguous():
+    """One block stage (64 x 256) is one contiguous run of the flat qweight, in (slab, warp, vec, lane) order:
+    changing the codes of one stage changes only that run."""
+    k, n, bits = 128, 512, 4
+    cw = make_canonical(k, n, bits, 128, False, False, seed=5)
+    p0 = repack_mma.repack_mma(cw, torch.float16)
+    cw.codes[64:128, 256:512] ^= 0x5  # stage (k-tile 1, n-tile 1)
+    p1 = repack_mma.repack_mma(cw, torch.float16)
+    diff = (p0.qweight.reshape(-1) != p1.qweight.reshape(-1)).nonzero().reshape(-1)
+    words_per_stage = 64 * 256 * bits // 32
+    stage = 1 * (n // 256) + 1
+    assert diff.min() >= stage * words_per_stage and diff.max() < (stage + 1) * words_per_stage
+
+
+@pytest.mark.parametrize("bits,gs,asym,act_order", [(4, 128, False, False), (4, 32, True, True), (8, 64, True, True)])
+@pytest.mark.parametrize("m", [1, 7, 65])
+def test_emulated_gemm_matches_canonical(bits, gs, asym, act_order, m):
+    k, n = 200, 136
+    cw = make_canonical(k, n, bits, gs, asym, act_order, seed=m)
+    p = repack_mma.repack_mma(cw, torch.bfloat16)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).bfloat16()
+    bias = torch.randn(n).bfloat16()
+    y = mma_ref.gemm_mma_ref(x, p, bias)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    ref = x.float() @ reference(cw, torch.bfloat16).float() + bias.float()
+    torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("n_tiles,k_tiles,sms", [(16, 64, 132), (112, 64, 132), (1, 3, 132), (5, 7, 4), (24, 9, 132)])
+def test_stripe_schedule_covers_every_tile_once_in_lock_order(n_tiles, k_tiles, sms):
+    blocks = mma_ref.stripe_pieces(n_tiles, k_tiles, sms)
+    assert len(blocks) <= sms
+    seen = {}
+    for b, pieces in enumerate(blocks):
+        for t, k_lo, k_hi, order in pieces:
+            seen.setdefault(t, []).append((k_lo, k_hi, order, b))
+    assert sorted(seen) == list(range(n_tiles))
+    for t, ps in seen.items():
+        ps.sort()
+        assert ps[0][0] == 0 and ps[-1][1] == k_tiles
+        for i, (k_lo, k_hi, order, b) in enumerate(ps):
+            assert order == i  # the lock value this piece waits for = number of pieces before it
+            assert i == 0 or (ps[i - 1][1] == k_lo and ps[i - 1][3] < b)  # waits only on lower blocks
+
+
+def test_unsupported_inputs_are_named():
+    cw = make_canonical(100, 64, 4, 32, False, False, seed=0)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        repack_mma.repack_mma(cw)
+    cw = make_canonical(128, 64, 4, 24, False, False, seed=0)
+    assert "group_size=24" in repack_mma.mma_unsupported(cw)
+    cw = make_canonical(128, 64, 3, 32, False, False, seed=0)
+    assert "bits=3" in repack_mma.mma_unsupported(cw)
+    cw = make_canonical(128, 64, 4, 32, False, True, seed=0)
+    cw.g_idx[:5] = 0  # group 0 gets more than group_size rows
+    assert "contiguous groups" in repack_mma.mma_unsupported(cw)
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        repack_mma.repack_mma(make_canonical(128, 64, 4, 32, False, False, seed=0), torch.float32)
