@@ -195,3 +195,16 @@ def test_triton_w8a8_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0 and "W8A8-INTERPRET-OK" in p.stdout, p.stdout[-3000:] + p.stderr[-6000:]
+
+
+def test_apply_sends_gemv_rows_to_the_gemv_up_to_16_tokens(monkeypatch):
+    from lqe.kernels import triton_gemv_w8a8 as tg
+
+    calls = []
+    monkeypatch.setattr(tw, "w8a8_mm", lambda *a, **k: calls.append("triton-w8a8"))
+    monkeypatch.setattr(tg, "gemv_w8a8", lambda *a, **k: calls.append("triton-gemv"))
+    w = torch.zeros(64, 64, dtype=torch.int8)
+    wts = kw.W8A8Weights(w, torch.ones(64), None, None, ((32, "triton-gemv"), (None, "triton-w8a8")), 64, 64)
+    for m in (1, 16, 17, 33):
+        kw.w8a8_apply(torch.zeros(m, 64, dtype=torch.int8), torch.ones(m), wts)
+    assert calls == ["triton-gemv", "triton-gemv", "triton-w8a8", "triton-w8a8"]

@@ -28,16 +28,35 @@ WNA16_TABLE: list[tuple[int | None, str]] = [
 
 # ------------------------------------------------------------------------------------------------ W8A8 int8 / FP8
 # (owned by the W8A8 kernel work: lqe/kernels/w8a8.py and friends)
-# Kernels: "triton-w8a8" (lqe/kernels/triton_w8a8.py: int8 tensor-core GEMM + fused epilogue on the checkpoint's
-# int8 [N, K]; split-K weight streaming for small M; tile configs per M bucket in triton_w8a8.CONFIGS),
-# "int-mm+epilogue" (torch._int_mm = cuBLASLt int8, M > 16 only, then a Triton epilogue; same weight tensor),
-# "lqe-w8a8" (csrc/gemm/w8a8_gemm.cu; needs its own fragment-packed copy of the weights: naming it here keeps a
-# second copy of every W8A8 weight in memory). Not yet set by measurement: guessed from the H100 numbers of
-# issue 15 (cuBLASLt int8 1.5x bf16 at M=32-64, about 1.0x from M=256; lqe-w8a8 1.1-1.5x at M=1 only).
+# Kernels: "triton-gemv" (lqe/kernels/triton_gemv_w8a8.py: M <= 16 only; weight streaming over many CTAs,
+# deterministic split-K, fused per-token x per-channel epilogue), "triton-w8a8" (lqe/kernels/triton_w8a8.py:
+# int8 tensor-core GEMM + fused epilogue on the checkpoint's int8 [N, K]; split-K weight streaming for small M; tile
+# configs per M bucket in triton_w8a8.CONFIGS), "int-mm+epilogue" (torch._int_mm = cuBLASLt int8, M > 16 only, then
+# a Triton epilogue; same weight tensor), "lqe-w8a8" (csrc/gemm/w8a8_gemm.cu; needs its own fragment-packed copy of
+# the weights: naming it here keeps a second copy of every W8A8 weight in memory).
+# !! GUESSED, NOT MEASURED. The rows below were written without a GPU (issue 25) from the H100 numbers of issue 15
+# (cuBLASLt int8 1.4x bf16 at M=64, about 1.06x from M=256; triton-w8a8 1.17-1.36x at M >= 256). Set them from
+# `python benchmarks/kernels.py --w8a8-sweep` (it prints the table its measurement implies) on the target GPU.
 W8A8_TABLE: list[tuple[int | None, str]] = [
-    (16, "triton-w8a8"),
-    (128, "int-mm+epilogue"),
-    (None, "triton-w8a8"),
+    (16, "triton-gemv"),  # guess: weight streaming, >= 80 % of copy bandwidth is the goal
+    (128, "int-mm+epilogue"),  # guess (cuBLASLt 1.4x at M=64 in issue 15)
+    (None, "triton-w8a8"),  # guess (1.17-1.36x at M >= 256 in issue 15; int-mm 1.06x)
+]
+
+# FP8 e4m3 W8A8 (per-tensor / per-channel weight scales, per-token or static activation scales):
+# "triton-gemv" (the GEMV above, fp8 x fp8, M <= 16), "scaled-mm" (torch._scaled_mm, row-wise scales, any M),
+# "triton-fp8" (lqe/kernels/triton_fp8.py: tiled fp8 GEMM with the per-token x per-channel epilogue fused).
+# !! GUESSED, NOT MEASURED: _scaled_mm measured 1.20-1.60x bf16 on the H100 (issue 25); kept for M > 16 until the
+# Triton fp8 GEMM is measured faster (benchmarks/kernels.py prints the table its run implies).
+FP8_TABLE: list[tuple[int | None, str]] = [
+    (16, "triton-gemv"),
+    (None, "scaled-mm"),
+]
+
+# FP8 block-scaled (128x128 weight blocks, 1x128 activation groups: DeepSeek-V3 / llm-compressor FP8 block): one
+# Triton kernel for every M (lqe/kernels/triton_fp8.py, split-K for small M). No library alternative in torch.
+FP8_BLOCK_TABLE: list[tuple[int | None, str]] = [
+    (None, "triton-fp8-block"),
 ]
 
 

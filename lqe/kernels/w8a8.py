@@ -101,13 +101,13 @@ def select_w8a8_kernel(wq_kn: torch.Tensor, w_scale: torch.Tensor, device: torch
     return packed, f"lqe-w8a8 int8 GEMM (K={k}, N={n})"
 
 
-KERNELS = ("triton-w8a8", "int-mm+epilogue", "lqe-w8a8")
+KERNELS = ("triton-w8a8", "int-mm+epilogue", "triton-gemv", "lqe-w8a8")
 
 
 @dataclass(slots=True)
 class W8A8Weights:
     """One W8A8 layer's weights in the layouts its kernel table needs, and that table resolved for it."""
-    w_nk: torch.Tensor | None  # int8 [N, K], K contiguous (triton-w8a8, int-mm+epilogue)
+    w_nk: torch.Tensor | None  # int8 [N, K], K contiguous (triton-w8a8, int-mm+epilogue, triton-gemv)
     w_scale: torch.Tensor  # float32 [N]
     colsum: torch.Tensor | None  # int32 [N] = sum_k W[n, k]; only for asymmetric activations
     packed: PackedW8A8 | None  # the lqe-w8a8 CUDA kernel's layout, only when the table names it
@@ -180,6 +180,10 @@ def plan_w8a8(w_nk: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype, asy
         from lqe.kernels import triton_w8a8 as tw
 
         tw.reserve_workspace(device, tw.workspace_rows(), n)
+    if "triton-gemv" in used:
+        from lqe.kernels import triton_gemv_w8a8 as tg
+
+        tg.reserve_workspace(device, n)
     descs = [lqe_desc] if "lqe-w8a8" in used else []
     descs += [f"{nm} int8 GEMM (K={k}, N={n})" for nm in KERNELS if nm in used and nm != "lqe-w8a8"]
     by_m = ", ".join(f"M<={mm}: {nm}" if mm is not None else f"else {nm}" for mm, nm in rows)
@@ -198,6 +202,12 @@ def w8a8_apply(xq: torch.Tensor, a_scale: torch.Tensor, wts: W8A8Weights, azp: t
     name = pick(list(wts.table), m)
     if name == "int-mm+epilogue" and m <= 16:  # cuBLASLt refuses M <= 16
         name = "triton-w8a8" if wts.w_nk is not None else "lqe-w8a8"
+    if name == "triton-gemv":
+        if m <= 16:
+            from lqe.kernels import triton_gemv_w8a8 as tg
+
+            return tg.gemv_w8a8(xq, a_scale, wts.w_nk, wts.w_scale, azp, wts.colsum, bias, out_dtype)
+        name = "triton-w8a8"  # the GEMV serves M <= 16 only
     if name == "lqe-w8a8" and wts.packed is not None:
         if azp is not None and wts.packed.colsum is None:
             raise ValueError("lqe-w8a8: asymmetric activations need the weight's colsum")

@@ -1,0 +1,302 @@
+"""GEMV-class W8A8 kernels for M <= 16 tokens: int8 x int8 and fp8 e4m3 x fp8 e4m3, on the checkpoint's own
+``w [N, K]`` (K contiguous), with the per-token x per-channel scale epilogue fused.
+
+``out[m, n] = a_scale[m] * w_scale[n] * (sum_k xq[m, k] * w[n, k] - azp[m] * colsum[n]) + bias[n]``
+
+At M <= 16 a layer is a weight stream: every weight byte is read once and used M times, so the time floor is the
+weight bytes at copy bandwidth (half of bf16's). The kernel is laid out for that stream:
+
+* the grid is ``(ceil(N / BLOCK_N), SPLIT_K)``: many small CTAs over N, and K cut in ``SPLIT_K`` ranges when N
+  alone gives too few programs to keep every SM's memory pipe busy (:func:`auto_split_k`);
+* each program loads ``[BLOCK_N, BLOCK_K]`` weight tiles along contiguous K (16-byte vector loads per thread) and
+  the ``[BLOCK_M, BLOCK_K]`` activations beside them (tiny, L2/L1 resident; the registers hold them for the tile);
+* ``USE_DOT=False`` (M <= 4 class): a CUDA-core multiply-reduce along K in fp32 FMAs (for int8 each BLOCK_K <= 1024
+  block sum is exact in fp32 and is added to an int32 accumulator; fp8 accumulates in fp32); ``USE_DOT=True`` (M up to 16): ``tl.dot`` with the tokens padded to 16 rows (int8 / fp8 tensor
+  cores, mma.sync), the weight the K-major B operand;
+* split-K partials go to a workspace ``[SPLIT_K, BLOCK_M, N]`` (int32, fp32 stored bit-cast) and the last program
+  of an N tile (an arrival counter) sums them **in split order** and applies the epilogue: one launch, no
+  order-dependent float atomics, so the result is deterministic run to run; the counter is reset by that program.
+
+Configurations come from :data:`CONFIGS` per M bucket on the host (no autotune, no sync: CUDA-graph capturable);
+``benchmarks/kernels.py --w8a8-sweep`` times :func:`sweep_configs`. The table below is a guess until measured.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lqe.kernels.device_info import sm_count
+
+try:
+    import triton
+    import triton.language as tl
+
+    from lqe.kernels.triton_w8a8 import _epilogue
+except ImportError:  # pragma: no cover - triton is optional on CPU
+    triton = None
+    tl = None
+
+MAX_M = 16
+FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
+
+
+def available() -> str | None:
+    """Why the GEMV kernels cannot run, or ``None``."""
+    return "triton is not installed" if triton is None else None
+
+
+@dataclass(frozen=True, slots=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    use_dot: bool = False
+    split_k: int = 0  # 0 = from the SM count (auto_split_k)
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __str__(self) -> str:
+        sk = "auto" if self.split_k == 0 else self.split_k
+        return f"{'dot' if self.use_dot else 'fma'}-n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}sk{sk}"
+
+
+# (max_m, config): first row covering M wins. GUESSED, NOT MEASURED (no GPU when written): set from
+# `python benchmarks/kernels.py --w8a8-sweep --m 1 2 4 8 16` on the target GPU.
+CONFIGS: list[tuple[int, GemvConfig]] = [
+    (1, GemvConfig(32, 512, use_dot=False, num_warps=4)),
+    (4, GemvConfig(32, 256, use_dot=False, num_warps=4)),
+    (16, GemvConfig(64, 256, use_dot=True, num_warps=4)),
+]
+
+WS_ROWS = 256  # split_k * BLOCK_M rows of partial sums the workspace holds per output column
+
+
+def block_m(m: int, use_dot: bool) -> int:
+    return 16 if use_dot else max(1, triton.next_power_of_2(m) if triton else 1 << (m - 1).bit_length())
+
+
+def sweep_configs(m: int) -> list[GemvConfig]:
+    """Candidate configurations for ``m <= 16`` tokens (benchmarks/kernels.py --w8a8-sweep)."""
+    out = []
+    for use_dot in ((False, True) if m <= 4 else (True,)):
+        for bn in (16, 32, 64, 128):
+            for bk in (128, 256, 512, 1024):
+                if not use_dot and bn * bk * block_m(m, False) > 32 * 1024:  # register tile of the CUDA-core path
+                    continue
+                if use_dot and (bn < 32 or bk > 512):
+                    continue
+                for nw in (2, 4, 8):
+                    for sk in (0, 1):
+                        out.append(GemvConfig(bn, bk, use_dot, sk, nw, 3))
+    return out
+
+
+def auto_split_k(m: int, n: int, k: int, cfg: GemvConfig, sms: int) -> int:
+    """K splits so that about four programs run per SM (memory-level parallelism), each streaming >= 2 K blocks,
+    within the workspace (``split * BLOCK_M <= WS_ROWS``)."""
+    tiles = math.ceil(n / cfg.block_n)
+    want = math.ceil(4 * sms / max(tiles, 1))
+    k_blocks = math.ceil(k / cfg.block_k)
+    return max(1, min(want, k_blocks // 2, WS_ROWS // block_m(m, cfg.use_dot), 32))
+
+
+def pick_config(m: int, n: int, k: int, device: torch.device | None = None,
+                table: list[tuple[int, GemvConfig]] | None = None) -> GemvConfig:
+    """The configuration for ``m`` tokens with ``split_k`` resolved. Host-only, no sync."""
+    if m > MAX_M:
+        raise ValueError(f"triton-gemv serves M <= {MAX_M} tokens (got M={m}); larger M goes to the GEMM kernels")
+    cfg = next((c for max_m, c in (table or CONFIGS) if m <= max_m), (table or CONFIGS)[-1][1])
+    return resolve(cfg, m, n, k, device)
+
+
+def resolve(cfg: GemvConfig, m: int, n: int, k: int, device: torch.device | None) -> GemvConfig:
+    if cfg.split_k != 0:
+        return cfg
+    sk = auto_split_k(m, n, k, cfg, sm_count(device, cpu_default=8))
+    return GemvConfig(cfg.block_n, cfg.block_k, cfg.use_dot, sk, cfg.num_warps, cfg.num_stages)
+
+
+# ------------------------------------------------------------------------------------------------ workspace
+_WS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+_CNT_SLOTS = 8192
+
+
+def reserve_workspace(device: torch.device | str, n: int) -> None:
+    """Make the split-K workspace of ``device`` hold ``WS_ROWS x n`` partial sums. Call before a CUDA-graph
+    capture (growing it allocates). The counters start and stay zero between calls."""
+    device = torch.device(device)
+    ws = _WS.get(str(device))
+    if ws is None or ws[0].numel() < WS_ROWS * n:
+        _WS[str(device)] = (torch.empty(WS_ROWS * max(n, 1), dtype=torch.int32, device=device),
+                            torch.zeros(_CNT_SLOTS, dtype=torch.int32, device=device))
+
+
+def _workspace(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ws = _WS.get(str(device))
+    if ws is None or ws[0].numel() < WS_ROWS * n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"triton-gemv split-K workspace too small for N={n} during CUDA-graph capture: call "
+                               "lqe.kernels.triton_gemv_w8a8.reserve_workspace before capturing")
+        reserve_workspace(device, n)
+        ws = _WS[str(device)]
+    return ws
+
+
+# ------------------------------------------------------------------------------------------------ kernel
+if triton is not None:
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, azp_ptr, colsum_ptr, bias_ptr, ws_ptr,
+                     cnt_ptr, M, N, K, stride_xm, stride_wn, stride_om, a_scale_stride, azp_stride,
+                     HAS_AZP: tl.constexpr, HAS_BIAS: tl.constexpr, IS_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
+                     EVEN_K: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rm = tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        # padding tokens / columns re-read a valid row (stores are masked): no masks on the weight stream
+        rxm = tl.minimum(rm, M - 1)
+        rwn = tl.max_contiguous(tl.multiple_of(rn % N, BLOCK_N), BLOCK_N)
+        k_blocks = tl.cdiv(K, BLOCK_K)
+        per_split = tl.cdiv(k_blocks, SPLIT_K)
+        kb0 = pid_k * per_split
+        kb1 = tl.minimum(kb0 + per_split, k_blocks)
+        if IS_FP8:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        x_ptrs = x_ptr + rxm[:, None] * stride_xm + (kb0 * BLOCK_K + rk)[None, :]
+        for kb in range(kb0, kb1):
+            kmask = (kb * BLOCK_K + rk) < K
+            if EVEN_K:
+                x = tl.load(x_ptrs)
+            else:
+                x = tl.load(x_ptrs, mask=kmask[None, :], other=0.0)
+            if USE_DOT:  # weight tile as the K-major B operand [BLOCK_K, BLOCK_N]
+                w_ptrs = w_ptr + rwn[None, :] * stride_wn + (kb * BLOCK_K + rk)[:, None]
+                if EVEN_K:
+                    w = tl.load(w_ptrs)
+                else:
+                    w = tl.load(w_ptrs, mask=kmask[:, None], other=0.0)
+                if IS_FP8:
+                    acc = tl.dot(x, w, acc, out_dtype=tl.float32)
+                else:
+                    acc = tl.dot(x, w, acc, out_dtype=tl.int32)
+            else:  # [BLOCK_N, BLOCK_K] along contiguous K, multiply-reduce on the CUDA cores
+                w_ptrs = w_ptr + rwn[:, None] * stride_wn + (kb * BLOCK_K + rk)[None, :]
+                if EVEN_K:
+                    w = tl.load(w_ptrs)
+                else:
+                    w = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
+                # fp32 FMAs (twice the int32 rate): int8 products are integers <= 2^14 and a BLOCK_K <= 1024 sum
+                # stays <= 2^24, so the block sum is exact in fp32 whatever the order; int32 across blocks
+                wf = w.to(tl.float32)
+                xf = x.to(tl.float32)
+                if BLOCK_M == 1:
+                    blk = tl.sum(wf * xf, axis=1)[None, :]
+                else:
+                    blk = tl.sum(xf[:, None, :] * wf[None, :, :], axis=2)
+                if IS_FP8:
+                    acc += blk
+                else:
+                    acc += blk.to(tl.int32)
+            x_ptrs += BLOCK_K
+
+        if SPLIT_K == 1:
+            _epilogue(acc, rm, rn, M, N, out_ptr, stride_om, a_scale_ptr, a_scale_stride, w_scale_ptr,
+                      azp_ptr, azp_stride, colsum_ptr, bias_ptr, HAS_AZP, HAS_BIAS)
+        else:
+            mask = (rm < BLOCK_M)[:, None] & (rn < N)[None, :]
+            part = ws_ptr + (pid_k * BLOCK_M + rm)[:, None] * N + rn[None, :]
+            if IS_FP8:
+                tl.store(part, acc.to(tl.int32, bitcast=True), mask=mask)
+            else:
+                tl.store(part, acc, mask=mask)
+            tl.debug_barrier()  # every thread's partials are issued before the (release) arrival below
+            arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:  # the last program of this N tile: sum the partials in split order
+                if IS_FP8:
+                    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                else:
+                    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+                for s in range(SPLIT_K):
+                    p = tl.load(ws_ptr + (s * BLOCK_M + rm)[:, None] * N + rn[None, :], mask=mask, other=0,
+                                cache_modifier=".cg")  # L2: other SMs wrote them
+                    if IS_FP8:
+                        total += p.to(tl.float32, bitcast=True)
+                    else:
+                        total += p
+                tl.atomic_xchg(cnt_ptr + pid_n, 0)
+                _epilogue(total, rm, rn, M, N, out_ptr, stride_om, a_scale_ptr, a_scale_stride, w_scale_ptr,
+                          azp_ptr, azp_stride, colsum_ptr, bias_ptr, HAS_AZP, HAS_BIAS)
+
+
+# ------------------------------------------------------------------------------------------------ host side
+def _vec(t: torch.Tensor | None, m: int, dtype: torch.dtype) -> tuple[torch.Tensor | None, int]:
+    """Per-token ``[M]`` / ``[M, 1]`` or one-element tensor -> (contiguous tensor, stride 1 or 0). No sync."""
+    if t is None:
+        return None, 0
+    t = t.reshape(-1)
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    if t.numel() == 1:
+        return t, 0
+    if t.numel() != m:
+        raise ValueError(f"triton-gemv: per-token tensor has {t.numel()} elements for M={m}")
+    return t.contiguous(), 1
+
+
+def gemv_w8a8(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+              azp: torch.Tensor | None = None, colsum: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+              out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None,
+              config: GemvConfig | None = None) -> torch.Tensor:
+    """``xq [M, K] x w [N, K]`` (both int8, or both float8_e4m3fn) with the fused epilogue, ``M <= 16``."""
+    fp8 = FP8_DTYPE is not None and w.dtype == FP8_DTYPE
+    if not (fp8 or w.dtype == torch.int8) or xq.dtype != w.dtype:
+        raise ValueError(f"triton-gemv needs int8 x int8 or float8_e4m3fn x float8_e4m3fn, got activations {xq.dtype} "
+                         f"and weight {w.dtype}")
+    if xq.dim() != 2 or w.dim() != 2 or xq.shape[1] != w.shape[1] or w.stride(1) != 1:
+        raise ValueError(f"triton-gemv: xq {tuple(xq.shape)} and w [N, K] {tuple(w.shape)} (K contiguous) do not match")
+    if fp8 and azp is not None:
+        raise ValueError("triton-gemv: fp8 activations have no zero point")
+    m, k = xq.shape
+    n = w.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if m == 0:
+        return out
+    if xq.stride(1) != 1:
+        xq = xq.contiguous()
+    cfg = resolve(config, m, n, k, xq.device) if config is not None else pick_config(m, n, k, xq.device)
+    sa, sa_stride = _vec(a_scale, m, torch.float32)
+    zp, zp_stride = _vec(azp, m, torch.int32)
+    if zp is not None and colsum is None:
+        raise ValueError("triton-gemv: asymmetric activations need the weight's colsum")
+    w_scale = w_scale.reshape(-1)
+    bm = block_m(m, cfg.use_dot)
+    if bm < m:
+        raise ValueError(f"triton-gemv: M={m} exceeds {MAX_M}")
+    if not cfg.use_dot and cfg.block_k > 1024:
+        raise ValueError(f"triton-gemv: BLOCK_K={cfg.block_k} > 1024 breaks the exact fp32 block sums of int8")
+    split_k = max(1, min(cfg.split_k, math.ceil(k / cfg.block_k), WS_ROWS // bm))
+    tiles = math.ceil(n / cfg.block_n)
+    ws = cnt = w_scale  # unused without split-K
+    if split_k > 1:
+        ws, cnt = _workspace(xq.device, n)
+        if tiles > cnt.numel():
+            split_k, ws, cnt = 1, w_scale, w_scale
+    _gemv_kernel[(tiles, split_k)](
+        xq, w, out, sa, w_scale, zp if zp is not None else sa, colsum if zp is not None else w_scale,
+        bias if bias is not None else w_scale, ws, cnt, m, n, k, xq.stride(0), w.stride(0), out.stride(0),
+        sa_stride, zp_stride, HAS_AZP=zp is not None, HAS_BIAS=bias is not None, IS_FP8=fp8, BLOCK_M=bm,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, USE_DOT=cfg.use_dot,
+        EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def bytes_floor(m: int, n: int, k: int) -> int:
+    """Bytes a GEMV must move: the weight once, the activations, scales and the output (bf16)."""
+    return n * k + m * k + 4 * (m + n) + 2 * m * n

@@ -1,0 +1,108 @@
+"""The M <= 16 W8A8 GEMV kernels (lqe/kernels/triton_gemv_w8a8.py, int8 and fp8) on CPU under Triton's interpreter:
+the checks of tests/gpu/test_gemv_w8a8.py on small awkward shapes (N, K not powers of two, ragged K blocks, split-K
+with a ragged last split, padded tokens), both the CUDA-core and the tensor-core (tl.dot) variants."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path[:0] = [{root!r}, {gpu!r}, {tests!r}]
+    import triton_compat
+    triton_compat.patch()
+    import torch
+    import functools
+    import test_gemv_w8a8 as G
+    from lqe.kernels.triton_gemv_w8a8 import GemvConfig as C
+    G.check_gemv = functools.partial(G.check_gemv, device="cpu")
+
+    f16, bf16 = torch.float16, torch.bfloat16
+    for kind in ("int8", "fp8"):
+        # CUDA-core path: M=1 (2-d reduce), M=3 (3-d reduce, one padded token); split-K with a ragged last split
+        G.check_gemv(1, 72, 200, C(16, 32, False, split_k=3), kind, dt=f16)
+        G.check_gemv(3, 40, 200, C(16, 64, False, split_k=2), kind, bias=False, dt=bf16)
+        G.check_gemv(1, 40, 96, C(32, 32, False, split_k=1), kind, static=True, dt=f16)
+        # tensor-core path: tokens padded to 16, split-K, K % BLOCK_K != 0, N % BLOCK_N != 0
+        G.check_gemv(7, 72, 200, C(32, 64, True, split_k=2), kind, dt=f16)
+        G.check_gemv(16, 40, 160, C(32, 32, True, split_k=1), kind, static=True, dt=bf16)
+        # split_k resolved from the (CPU stand-in) SM count
+        G.check_gemv(2, 72, 256, C(16, 32, False, split_k=0), kind, dt=f16)
+    # asymmetric int8 (zero point x colsum in the epilogue), per token and static
+    G.check_gemv(5, 72, 200, C(32, 64, True, split_k=3), "int8", sym=False, dt=f16)
+    G.check_gemv(2, 40, 96, C(16, 32, False, split_k=2), "int8", sym=False, static=True, dt=f16)
+    G.check_rejects_bad_input("cpu")
+    print("GEMV-INTERPRET-OK")
+""")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_gemv_kernels_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    script = SCRIPT.format(root=str(ROOT), gpu=str(ROOT / "tests" / "gpu"), tests=str(ROOT / "tests"))
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0 and "GEMV-INTERPRET-OK" in p.stdout, p.stdout[-3000:] + p.stderr[-6000:]
+
+
+def test_config_table_and_split_k_are_host_functions():
+    from lqe.kernels import triton_gemv_w8a8 as tg
+
+    for m in range(1, 17):
+        cfg = tg.pick_config(m, 4096, 4096)
+        assert cfg.split_k >= 1 and tg.block_m(m, cfg.use_dot) >= m
+        assert cfg.split_k * tg.block_m(m, cfg.use_dot) <= tg.WS_ROWS
+    # a narrow N gets K splits, a wide one (enough N tiles) none
+    few = tg.auto_split_k(1, 4096, 4096, tg.GemvConfig(32, 256), sms=132)
+    many = tg.auto_split_k(1, 28672, 4096, tg.GemvConfig(32, 256), sms=132)
+    assert few > many >= 1 and many <= 2
+    for m in (1, 4, 16):
+        cfgs = tg.sweep_configs(m)
+        assert cfgs and len(set(cfgs)) == len(cfgs)
+        assert all(c.use_dot for c in cfgs) or m <= 4
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="ahead-of-time compilation needs triton's real JIT")
+@pytest.mark.parametrize("variant", ["i8-fma-m1", "i8-fma-m4-azp", "i8-dot", "fp8-fma-m1", "fp8-dot"])
+def test_gemv_compiles_for_hopper_with_vector_loads(variant):
+    """Compile to sm_90 PTX without a GPU (Triton ships ptxas), with the 16-byte alignment the JIT infers for
+    torch's allocations: the weight stream must use 16-byte vector loads, the dot variant tensor-core mma, and
+    nothing may spill to local memory."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from lqe.kernels import triton_gemv_w8a8 as tg
+
+    dt, path, *rest = variant.split("-")
+    fp8 = dt == "fp8"
+    consts = dict(HAS_AZP="azp" in rest, HAS_BIAS=True, IS_FP8=fp8, BLOCK_M=16 if path == "dot" else
+                  (4 if "m4" in rest else 1), BLOCK_N=64 if path == "dot" else 32,
+                  BLOCK_K=256, SPLIT_K=4, USE_DOT=path == "dot", EVEN_K=True)
+    fn = tg._gemv_kernel
+    elem = "fp8e4nv" if fp8 else "i8"
+    types = {"x_ptr": f"*{elem}", "w_ptr": f"*{elem}", "out_ptr": "*bf16", "a_scale_ptr": "*fp32",
+             "w_scale_ptr": "*fp32", "azp_ptr": "*i32", "colsum_ptr": "*i32", "bias_ptr": "*bf16", "ws_ptr": "*i32",
+             "cnt_ptr": "*i32"}
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    aligned = [n for n in fn.arg_names if n.endswith("_ptr") or n in ("N", "K", "stride_xm", "stride_wn", "stride_om")]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "num_stages": 3})
+    ptx = k.asm["ptx"]
+    assert re.search(r"(ld\.global(\.\w+)*\.v4|cp\.async\.cg\.shared\.global(\.\w+)* \[[^]]+\], \[[^]]+\], 16)", ptx), \
+        "the weight stream should be 16-byte vector loads"
+    assert ".local" not in ptx, "register spills to local memory"
+    if path == "dot":
+        assert "mma.sync" in ptx
+    assert "ld.global.b8" not in ptx and "ld.global.u8" not in ptx, "byte loads on the weight stream"
