@@ -46,3 +46,29 @@ def patch_bf16_rounding() -> None:
 
     convert._lqe_patched = True
     interpreter._convert_float = convert
+
+
+def patch_fp8_rounding() -> None:
+    """Triton 3.6+'s interpreter converts fp32 -> fp8 e4m3 by truncating the mantissa; the GPU rounds to nearest
+    even (``cvt.rn.satfinite.e4m3x2.f32``), as torch's ``.to(float8_e4m3fn)`` does for in-range values. After this
+    call the interpreter converts like torch, so fp8 quantizers compare bit for bit under the interpreter. Tests only."""
+    try:
+        import numpy as np
+        import torch
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except Exception:  # noqa: BLE001 -- no triton: nothing to patch
+        return
+    original = interpreter._convert_float
+    if getattr(original, "_lqe_fp8_patched", False):
+        return
+
+    def convert(input, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.float32 and output_dtype == tl.float8e4nv:
+            t = torch.from_numpy(np.ascontiguousarray(input, dtype=np.float32)).to(torch.float8_e4m3fn)
+            return t.view(torch.uint8).numpy().reshape(input.shape)
+        return original(input, input_dtype, output_dtype, rounding_mode)
+
+    convert._lqe_fp8_patched = True
+    convert._lqe_patched = getattr(original, "_lqe_patched", False)
+    interpreter._convert_float = convert

@@ -1,0 +1,168 @@
+"""RMSNorm and SiLU-mul fused with the dynamic fp8 e4m3 quantization of their output, per token or per 1 x G group
+of columns (G = 128: the activation side of 128 x 128 block-scaled fp8 checkpoints, DeepSeek-V3 / llm-compressor).
+
+* ``rms_norm_quant_fp8(x, weight, eps, residual=None, group=0) -> (q fp8 [..., K], scale fp32 [..., 1 | K/G], residual)``
+* ``silu_mul_quant_fp8(x [..., 2I], group=0) -> (q fp8 [..., I], scale fp32 [..., 1 | I/G])``
+
+Contract: EXACTLY the bits of the unfused path: the float activation rounded to the activation dtype as
+:func:`lqe.kernels.fused_ops.rms_norm` / :func:`~lqe.kernels.fused_ops.silu_and_mul` produce it (same row code, same
+launch), then :func:`quant_fp8_ref` (what :func:`lqe.kernels.w8a8.fp8_quantize_per_token` computes):
+``scale = max(absmax, 1e-12) / 448`` and ``q = rne_e4m3(clamp(y / scale, -448, 448))``, both quotients correctly
+rounded fp32 (``tl.div_rn``; torch divides exactly on CPU and CUDA), the cast round-to-nearest-even as the GPU's
+``cvt.rn.satfinite.e4m3x2.f32`` and torch's ``.to(float8_e4m3fn)`` do. An all-zero row (group) gets scale
+``1e-12 / 448`` and q 0, as the torch path does.
+"""
+from __future__ import annotations
+
+import torch
+
+from lqe.kernels.fused_ops import HAS_TRITON, _rows, _triton_ok, rms_norm_launch, rms_norm_torch, silu_and_mul_torch
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from lqe.kernels.fused_ops import _rms_norm_row, _silu_and_mul_row
+
+FP8_MAX = 448.0
+MIN_ABSMAX = 1e-12
+SILU_CHUNK = 4096
+
+
+def quant_fp8_ref(y: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference dynamic fp8 quantization of ``y [M, K]``: per row (``group=0``, scale ``[M, 1]``) or per 1 x ``group``
+    columns (scale ``[M, K / group]``)."""
+    yf = y.float()
+    m, k = yf.shape
+    g = k if group == 0 else group
+    if k % g:
+        raise ValueError(f"fp8 group quantization: K={k} is not a multiple of the group size {g}")
+    yg = yf.reshape(m, k // g, g)
+    scale = yg.abs().amax(-1, keepdim=True).clamp(min=MIN_ABSMAX) / FP8_MAX
+    q = (yg / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(m, k), scale.reshape(m, k // g)
+
+
+def _quant_rows(y: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    q, s = quant_fp8_ref(y.reshape(-1, y.shape[-1]), group)
+    return q.view(y.shape), s.view(*y.shape[:-1], s.shape[-1])
+
+
+def rms_norm_quant_fp8_torch(x, weight, eps, residual=None, group=0):
+    out = rms_norm_torch(x, weight, eps, residual)
+    y, new_residual = out if residual is not None else (out, None)
+    return (*_quant_rows(y, group), new_residual)
+
+
+def silu_mul_quant_fp8_torch(x, group=0):
+    return _quant_rows(silu_and_mul_torch(x), group)
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+if HAS_TRITON:
+    @triton.jit
+    def _fp8_store(y, Q, S, row, stride_q, stride_s, cols, mask, n, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+                   group_base):
+        """Quantize fp32 ``y [BLOCK]`` (masked lanes 0) per row (GROUP == 0) or per GROUP columns and store."""
+        if GROUP == 0:
+            absmax = tl.maximum(tl.max(tl.abs(y), 0), 1e-12)
+            scale = tl.div_rn(absmax, 448.0)
+            v = tl.div_rn(y, scale)
+        else:
+            yg = tl.reshape(y, (BLOCK // GROUP, GROUP))
+            absmax = tl.maximum(tl.max(tl.abs(yg), 1), 1e-12)
+            scale = tl.div_rn(absmax, 448.0)
+            v = tl.reshape(tl.div_rn(yg, scale[:, None]), (BLOCK,))
+            gidx = group_base + tl.arange(0, BLOCK // GROUP)
+            tl.store(S + row * stride_s + gidx, scale, mask=gidx * GROUP < n)
+        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+        tl.store(Q + row * stride_q + cols, v.to(tl.float8e4nv), mask=mask)
+        return scale
+
+    @triton.jit
+    def _rms_norm_quant_fp8_kernel(X, R, W, Q, S, ROut, stride_x, stride_r, stride_q, stride_s, stride_ro, n, eps,
+                                   HAS_RESIDUAL: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n
+        y = _rms_norm_row(X, R, W, ROut, row, stride_x, stride_r, stride_ro, n, eps, offs, mask, HAS_RESIDUAL)
+        y = y.to(X.dtype.element_ty).to(tl.float32)  # the activation rms_norm would have written
+        scale = _fp8_store(y, Q, S, row, stride_q, stride_s, offs, mask, n, GROUP, BLOCK, 0)
+        if GROUP == 0:
+            tl.store(S + row * stride_s, scale)
+
+    @triton.jit
+    def _silu_mul_quant_fp8_kernel(X, Q, S, stride_x, stride_q, stride_s, n, GROUP: tl.constexpr,
+                                   CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, CHUNK)
+        if GROUP != 0:  # groups never straddle chunks (CHUNK % GROUP == 0): one pass
+            for c in range(NUM_CHUNKS):
+                cols = c * CHUNK + offs
+                mask = cols < n
+                y = _silu_and_mul_row(X, row, stride_x, n, cols, mask).to(X.dtype.element_ty).to(tl.float32)
+                _fp8_store(y, Q, S, row, stride_q, stride_s, cols, mask, n, GROUP, CHUNK, c * (CHUNK // GROUP))
+        elif NUM_CHUNKS == 1:
+            mask = offs < n
+            y = _silu_and_mul_row(X, row, stride_x, n, offs, mask).to(X.dtype.element_ty).to(tl.float32)
+            scale = _fp8_store(y, Q, S, row, stride_q, stride_s, offs, mask, n, GROUP, CHUNK, 0)
+            tl.store(S + row * stride_s, scale)
+        else:
+            absmax = tl.zeros([CHUNK], dtype=tl.float32)
+            for c in range(NUM_CHUNKS):
+                cols = c * CHUNK + offs
+                y = _silu_and_mul_row(X, row, stride_x, n, cols, cols < n).to(X.dtype.element_ty).to(tl.float32)
+                absmax = tl.maximum(absmax, tl.abs(y))
+            scale = tl.div_rn(tl.maximum(tl.max(absmax, 0), 1e-12), 448.0)
+            for c in range(NUM_CHUNKS):  # recompute (elementwise, so the same bits) rather than keep the row
+                cols = c * CHUNK + offs
+                y = _silu_and_mul_row(X, row, stride_x, n, cols, cols < n).to(X.dtype.element_ty).to(tl.float32)
+                v = tl.minimum(tl.maximum(tl.div_rn(y, scale), -448.0), 448.0)
+                tl.store(Q + row * stride_q + cols, v.to(tl.float8e4nv), mask=cols < n)
+            tl.store(S + row * stride_s, scale)
+
+
+# ------------------------------------------------------------------------------------------------ public ops
+def _check_group(n: int, group: int) -> None:
+    if group not in (0,) and (group & (group - 1) or n % group):
+        raise ValueError(f"fp8 group quantization needs a power-of-two group dividing K; got group={group}, K={n}")
+
+
+def rms_norm_quant_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                       group: int = 0, use_triton: bool | None = None):
+    """``(q fp8, scale fp32 [..., 1 or K/group], new residual or None)`` of ``rms_norm(x, weight, eps, residual)``."""
+    n = x.shape[-1]
+    _check_group(n, group)
+    if not _triton_ok(x, use_triton) or x.numel() == 0:
+        return rms_norm_quant_fp8_torch(x, weight, eps, residual, group)
+    shape = x.shape
+    x2 = _rows(x, "x")
+    m = x2.shape[0]
+    ns = 1 if group == 0 else n // group
+    q = torch.empty(x2.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(m, ns, dtype=torch.float32, device=x.device)
+    r2 = _rows(residual, "residual") if residual is not None else x2
+    r_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if residual is not None else x2
+    block, warps = rms_norm_launch(n)
+    _rms_norm_quant_fp8_kernel[(m,)](
+        x2, r2, weight, q, scale, r_out, x2.stride(0), r2.stride(0), q.stride(0), scale.stride(0), r_out.stride(0), n,
+        float(eps), HAS_RESIDUAL=residual is not None, GROUP=group, BLOCK=block, num_warps=warps)
+    return q.view(shape), scale.view(*shape[:-1], ns), (r_out.view(shape) if residual is not None else None)
+
+
+def silu_mul_quant_fp8(x: torch.Tensor, group: int = 0, use_triton: bool | None = None, chunk: int | None = None):
+    """``(q fp8 [..., I], scale fp32 [..., 1 or I/group])`` of ``silu_and_mul(x)`` for ``x [..., 2I]``."""
+    n = x.shape[-1] // 2
+    _check_group(n, group)
+    if not _triton_ok(x, use_triton) or x.numel() == 0:
+        return silu_mul_quant_fp8_torch(x, group)
+    x2 = _rows(x, "x")
+    m = x2.shape[0]
+    ns = 1 if group == 0 else n // group
+    q = torch.empty(m, n, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(m, ns, dtype=torch.float32, device=x.device)
+    chunk = max(chunk or min(SILU_CHUNK, triton.next_power_of_2(n)), group)
+    _silu_mul_quant_fp8_kernel[(m,)](x2, q, scale, x2.stride(0), q.stride(0), scale.stride(0), n, GROUP=group,
+                                     CHUNK=chunk, NUM_CHUNKS=triton.cdiv(n, chunk),
+                                     num_warps=min(8, max(1, chunk // 256)))
+    return q.view(*x.shape[:-1], n), scale.view(*x.shape[:-1], ns)

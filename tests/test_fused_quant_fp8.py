@@ -1,0 +1,60 @@
+"""RMSNorm / SiLU-mul -> fp8 e4m3 fusion (lqe/kernels/fused_quant_fp8.py) on CPU under Triton's interpreter, bit for
+bit against the unfused path (the checks of tests/gpu/test_fused_act_quant_fp8.py on awkward shapes), and the torch
+twins against the quantizer the FP8 layer runs."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path[:0] = [{root!r}, {gpu!r}, {tests!r}]
+    import triton_compat
+    triton_compat.patch()
+    triton_compat.patch_bf16_rounding()
+    triton_compat.patch_fp8_rounding()
+    import torch
+    import test_fused_act_quant_fp8 as F
+
+    for dt in (torch.float16, torch.bfloat16):
+        for group in (0, 32):
+            for m, k in ((1, 96), (7, 256)):
+                F.check_rms_norm_quant_fp8(m, k, dt, "cpu", residual=True, group=group)
+            F.check_rms_norm_quant_fp8(5, 160, dt, "cpu", residual=False, group=group)
+            F.check_silu_mul_quant_fp8(5, 224, dt, "cpu", group=group)
+            F.check_silu_mul_quant_fp8(3, 320, dt, "cpu", group=group, chunk=128)  # several chunks, ragged last one
+    F.check_matches_layer_quantizer("cpu")
+    print("FUSED-FP8-INTERPRET-OK")
+""")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_fused_fp8_quant_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    script = SCRIPT.format(root=str(ROOT), gpu=str(ROOT / "tests" / "gpu"), tests=str(ROOT / "tests"))
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0 and "FUSED-FP8-INTERPRET-OK" in p.stdout, p.stdout[-3000:] + p.stderr[-6000:]
+
+
+def test_group_reference_and_bad_groups():
+    from lqe.kernels import fused_quant_fp8 as fq
+
+    y = torch.randn(3, 256)
+    y[0, :128] = 0
+    q, s = fq.quant_fp8_ref(y, 128)
+    assert s.shape == (3, 2) and s[0, 0].item() == pytest.approx(1e-12 / 448) and not q[0, :128].float().any()
+    deq = (q.float().reshape(3, 2, 128) * s[..., None]).reshape(3, 256)
+    assert (deq - y).abs().max() <= y.abs().max() / 16  # e4m3: 3 mantissa bits
+    with pytest.raises(ValueError, match="group"):
+        fq.silu_mul_quant_fp8(torch.randn(2, 200), group=128)
+    with pytest.raises(ValueError, match="group"):
+        fq.rms_norm_quant_fp8(torch.randn(2, 192), torch.ones(192), 1e-6, group=96)
