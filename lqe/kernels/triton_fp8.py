@@ -1,0 +1,260 @@
+"""Triton FP8 e4m3 GEMMs on the checkpoint's ``w [N, K]`` (K contiguous, what Hopper's fp8 wgmma wants for B):
+
+* per-token x per-channel (``BLOCK_SCALE=0``): ``out = a_scale[m] * w_scale[n] * (xq @ w.T) + bias``, the scale
+  epilogue fused (the alternative is ``torch._scaled_mm`` with row-wise scales: cuBLASLt, measured 1.20-1.60x bf16
+  on the H100 in issue 25; which one a layer runs is the FP8_TABLE of lqe/kernels/dispatch.py, guessed until measured);
+* block-scaled (``BLOCK_SCALE=128``): 128 x 128 weight blocks ``w_scale [ceil(N/128), ceil(K/128)]`` and 1 x 128
+  activation groups ``a_scale [M, ceil(K/128)]`` (DeepSeek-V3 / llm-compressor FP8 block checkpoints): each 128-wide
+  K step's fp32 product is scaled by ``a_scale[m, kb] * w_scale[n // 128, kb]`` before it is accumulated.
+  ``torch._scaled_mm`` has no such mode on every torch, so this kernel serves every M: split-K for small M.
+
+Split-K partials go to an fp32 workspace ``[SPLIT_K, M_pad, N]`` and the last program of a tile (arrival counter)
+sums them in split order: deterministic, one launch. Configurations per M bucket in :data:`CONFIGS` (guessed until
+``benchmarks/kernels.py --fp8-sweep`` measures them); host-only choice, CUDA-graph capturable.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lqe.kernels.device_info import sm_count
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+    tl = None
+
+SCALE_BLOCK = 128
+
+
+def available() -> str | None:
+    return "triton is not installed" if triton is None else None
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Config:
+    block_m: int
+    block_n: int
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    split_k: int = 1  # 0 = from the SM count
+    group_m: int = 8
+
+    def __str__(self) -> str:
+        sk = "auto" if self.split_k == 0 else self.split_k
+        return f"m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}sk{sk}"
+
+
+# GUESSED, NOT MEASURED (written without a GPU): BLOCK_M >= 64 with 4/8 warps runs on Hopper's fp8 wgmma.
+CONFIGS: list[tuple[int | None, Fp8Config]] = [
+    (16, Fp8Config(16, 64, 128, 4, 4, split_k=0)),
+    (64, Fp8Config(64, 64, 128, 4, 4, split_k=0)),
+    (256, Fp8Config(128, 128, 128, 8, 4)),
+    (None, Fp8Config(128, 256, 128, 8, 3)),
+]
+
+
+def sweep_configs(m: int) -> list[Fp8Config]:
+    out = []
+    bms = [16] if m <= 16 else [32, 64] if m <= 64 else [64, 128]
+    for bm in bms:
+        for bn in (64, 128, 256):
+            for bk in (128,) if m <= 64 else (64, 128):
+                for st in (3, 4, 5):
+                    for nw in (4, 8):
+                        if (bm + bn) * bk * st > 200 * 1024 or (bn == 256 and nw == 4) or (bm < 64 and nw == 8):
+                            continue
+                        out.append(Fp8Config(bm, bn, bk, nw, st, 0 if m <= 64 else 1))
+    return out
+
+
+def pick_config(m: int, n: int, k: int, device: torch.device | None = None,
+                table: list[tuple[int | None, Fp8Config]] | None = None) -> Fp8Config:
+    cfg = next(c for max_m, c in (table or CONFIGS) if max_m is None or m <= max_m)
+    return resolve(cfg, m, n, k, device)
+
+
+def resolve(cfg: Fp8Config, m: int, n: int, k: int, device: torch.device | None) -> Fp8Config:
+    if cfg.split_k != 0:
+        return cfg
+    tiles = math.ceil(m / cfg.block_m) * math.ceil(n / cfg.block_n)
+    want = math.ceil(2 * sm_count(device, cpu_default=8) / max(tiles, 1))
+    rows = math.ceil(m / cfg.block_m) * cfg.block_m
+    sk = max(1, min(want, math.ceil(k / cfg.block_k) // 4, WS_ROWS // rows, 32))
+    return Fp8Config(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, sk, cfg.group_m)
+
+
+# ------------------------------------------------------------------------------------------------ workspace
+WS_ROWS = 512  # split_k * M_pad rows of fp32 partials per output column
+_WS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+_CNT_SLOTS = 8192
+
+
+def reserve_workspace(device: torch.device | str, n: int) -> None:
+    """Make the split-K workspace hold ``WS_ROWS x n`` partials. Call before a CUDA-graph capture."""
+    device = torch.device(device)
+    ws = _WS.get(str(device))
+    if ws is None or ws[0].numel() < WS_ROWS * n:
+        _WS[str(device)] = (torch.empty(WS_ROWS * max(n, 1), dtype=torch.float32, device=device),
+                            torch.zeros(_CNT_SLOTS, dtype=torch.int32, device=device))
+
+
+def _workspace(device: torch.device, n: int):
+    ws = _WS.get(str(device))
+    if ws is None or ws[0].numel() < WS_ROWS * n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("triton-fp8 split-K workspace too small during CUDA-graph capture: call "
+                               "lqe.kernels.triton_fp8.reserve_workspace before capturing")
+        reserve_workspace(device, n)
+        ws = _WS[str(device)]
+    return ws
+
+
+# ------------------------------------------------------------------------------------------------ kernel
+if triton is not None:
+
+    @triton.jit
+    def _fp8_epilogue(acc, rm, rn, M, N, out_ptr, stride_om, a_scale_ptr, a_scale_stride, w_scale_ptr, bias_ptr,
+                      HAS_BIAS: tl.constexpr, BLOCK_SCALE: tl.constexpr):
+        mask_m = rm < M
+        mask_n = rn < N
+        y = acc
+        if BLOCK_SCALE == 0:
+            sa = tl.load(a_scale_ptr + rm * a_scale_stride, mask=mask_m, other=0.0)
+            sw = tl.load(w_scale_ptr + rn, mask=mask_n, other=0.0)
+            y = (sa[:, None] * sw[None, :]) * acc
+        if HAS_BIAS:
+            y = y + tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=mask_m[:, None] & mask_n[None, :])
+
+    @triton.jit
+    def _fp8_mm_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, K,
+                       stride_am, stride_bn, stride_om, a_scale_stride, stride_sam, stride_swn,
+                       HAS_BIAS: tl.constexpr, BLOCK_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
+                       EVEN_K: tl.constexpr):
+        pid = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        in_group = GROUP_M * num_pid_n
+        first_m = (pid // in_group) * GROUP_M
+        size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % in_group) % size_m
+        pid_n = (pid % in_group) // size_m
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ram = tl.max_contiguous(tl.multiple_of(rm % M, BLOCK_M), BLOCK_M)
+        rbn = tl.max_contiguous(tl.multiple_of(rn % N, BLOCK_N), BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        k_blocks = tl.cdiv(K, BLOCK_K)
+        per_split = tl.cdiv(k_blocks, SPLIT_K)
+        kb0 = pid_k * per_split
+        kb1 = tl.minimum(kb0 + per_split, k_blocks)
+        a_ptrs = a_ptr + ram[:, None] * stride_am + (kb0 * BLOCK_K + rk)[None, :]
+        b_ptrs = b_ptr + rbn[None, :] * stride_bn + (kb0 * BLOCK_K + rk)[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(kb0, kb1):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                kmask = (kb * BLOCK_K + rk) < K
+                a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
+            if BLOCK_SCALE == 0:
+                acc = tl.dot(a, b, acc, out_dtype=tl.float32)
+            else:  # BLOCK_K == BLOCK_SCALE: one activation group / weight block column per step
+                sa = tl.load(a_scale_ptr + ram * stride_sam + kb)
+                sw = tl.load(w_scale_ptr + (rbn // BLOCK_SCALE) * stride_swn + kb)
+                part = tl.dot(a, b, out_dtype=tl.float32)
+                acc += part * (sa[:, None] * sw[None, :])
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        if SPLIT_K == 1:
+            _fp8_epilogue(acc, rm, rn, M, N, out_ptr, stride_om, a_scale_ptr, a_scale_stride, w_scale_ptr,
+                          bias_ptr, HAS_BIAS, BLOCK_SCALE)
+        else:
+            m_pad = num_pid_m * BLOCK_M
+            mask = (rn < N)[None, :] & (rm < m_pad)[:, None]
+            tl.store(ws_ptr + (pid_k * m_pad + rm)[:, None] * N + rn[None, :], acc, mask=mask)
+            tl.debug_barrier()
+            tile = pid_m * num_pid_n + pid_n
+            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:  # last program of the tile: sum the partials in split order
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in range(SPLIT_K):
+                    total += tl.load(ws_ptr + (s * m_pad + rm)[:, None] * N + rn[None, :], mask=mask, other=0.0,
+                                     cache_modifier=".cg")
+                tl.atomic_xchg(cnt_ptr + tile, 0)
+                _fp8_epilogue(total, rm, rn, M, N, out_ptr, stride_om, a_scale_ptr, a_scale_stride, w_scale_ptr,
+                              bias_ptr, HAS_BIAS, BLOCK_SCALE)
+
+
+# ------------------------------------------------------------------------------------------------ host side
+def fp8_mm(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+           bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None,
+           config: Fp8Config | None = None, block_scale: bool = False) -> torch.Tensor:
+    """fp8 ``xq [M, K]`` x fp8 ``w [N, K]``. Per-token/per-channel: ``a_scale [M]|[M,1]|one``, ``w_scale [N]``.
+    Block-scaled (``block_scale=True``): ``a_scale [M, ceil(K/128)]`` (1 x 128 groups), ``w_scale
+    [ceil(N/128), ceil(K/128)]`` (128 x 128 blocks)."""
+    f8 = torch.float8_e4m3fn
+    if xq.dtype != f8 or w.dtype != f8:
+        raise ValueError(f"triton-fp8 needs float8_e4m3fn activations and weights, got {xq.dtype} and {w.dtype}")
+    if xq.dim() != 2 or w.dim() != 2 or xq.shape[1] != w.shape[1] or w.stride(1) != 1:
+        raise ValueError(f"triton-fp8: xq {tuple(xq.shape)} and w [N, K] {tuple(w.shape)} (K contiguous) do not match")
+    m, k = xq.shape
+    n = w.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if m == 0:
+        return out
+    xq = xq if xq.stride(1) == 1 else xq.contiguous()
+    cfg = resolve(config, m, n, k, xq.device) if config is not None else pick_config(m, n, k, xq.device)
+    kb = math.ceil(k / SCALE_BLOCK)
+    if block_scale:
+        if cfg.block_k != SCALE_BLOCK or cfg.block_n > SCALE_BLOCK:
+            cfg = Fp8Config(cfg.block_m, min(cfg.block_n, SCALE_BLOCK), SCALE_BLOCK, cfg.num_warps, cfg.num_stages,
+                            cfg.split_k, cfg.group_m)
+        if a_scale.shape != (m, kb) or w_scale.shape != (math.ceil(n / SCALE_BLOCK), kb):
+            raise ValueError(f"triton-fp8 block scales: a_scale {tuple(a_scale.shape)} should be {(m, kb)}, w_scale "
+                             f"{tuple(w_scale.shape)} should be {(math.ceil(n / SCALE_BLOCK), kb)}")
+        sa, sw = a_scale.float().contiguous(), w_scale.float().contiguous()
+        sa_stride, stride_sam, stride_swn = 0, sa.stride(0), sw.stride(0)
+    else:
+        sa = a_scale.float().reshape(-1)
+        if sa.numel() not in (1, m):
+            raise ValueError(f"triton-fp8: a_scale has {sa.numel()} elements for M={m}")
+        sa_stride = 0 if sa.numel() == 1 else 1
+        sa, sw = sa.contiguous(), w_scale.float().reshape(-1).contiguous()
+        stride_sam = stride_swn = 0
+    grid_mn = math.ceil(m / cfg.block_m) * math.ceil(n / cfg.block_n)
+    m_pad = math.ceil(m / cfg.block_m) * cfg.block_m
+    split_k = max(1, min(cfg.split_k, math.ceil(k / cfg.block_k), WS_ROWS // m_pad))
+    ws = cnt = sw
+    if split_k > 1:
+        ws, cnt = _workspace(xq.device, n)
+        if grid_mn > cnt.numel():
+            split_k, ws, cnt = 1, sw, sw
+    _fp8_mm_kernel[(grid_mn, split_k)](
+        xq, w, out, sa, sw, bias if bias is not None else sw, ws, cnt, m, n, k, xq.stride(0), w.stride(0),
+        out.stride(0), sa_stride, stride_sam, stride_swn, HAS_BIAS=bias is not None, BLOCK_SCALE=SCALE_BLOCK if block_scale else 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, GROUP_M=cfg.group_m,
+        EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def block_fp8_ref(xq, a_scale, w, w_scale, bias=None):
+    """float64 reference of the block-scaled product (dequantize both operands, multiply)."""
+    m, k = xq.shape
+    n = w.shape[0]
+    sa = a_scale.double().repeat_interleave(SCALE_BLOCK, 1)[:, :k]
+    sw = w_scale.double().repeat_interleave(SCALE_BLOCK, 0)[:n].repeat_interleave(SCALE_BLOCK, 1)[:, :k]
+    out = (xq.double() * sa) @ (w.double() * sw).t()
+    return out if bias is None else out + bias.double()

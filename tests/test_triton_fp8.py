@@ -1,0 +1,60 @@
+"""The Triton FP8 GEMMs (lqe/kernels/triton_fp8.py) on CPU under Triton's interpreter: per-token x per-channel and
+128 x 128 block-scaled, split-K with a ragged last split, ragged M / N / K tiles (the checks of
+tests/gpu/test_triton_fp8_gemm.py on small shapes)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path[:0] = [{root!r}, {gpu!r}, {tests!r}]
+    import triton_compat
+    triton_compat.patch()
+    import functools
+    import torch
+    import test_triton_fp8_gemm as T
+    from lqe.kernels.triton_fp8 import Fp8Config as C
+    check = functools.partial(T.check_fp8_mm, device="cpu")
+
+    check(3, 72, 200, C(16, 32, 64, split_k=1))
+    check(19, 40, 256, C(16, 32, 64, split_k=3), static=True, dt=torch.float16)
+    check(1, 72, 384, C(16, 32, 128, split_k=0), bias=False)
+    # block-scaled: N spans two 128-row weight blocks (ragged), K three 128 groups (ragged last one)
+    check(5, 200, 300, C(16, 64, 128, split_k=1), block=True)
+    check(18, 136, 384, C(16, 32, 128, split_k=2), block=True, dt=torch.float16)
+    print("FP8-GEMM-INTERPRET-OK")
+""")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_fp8_gemm_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    script = SCRIPT.format(root=str(ROOT), gpu=str(ROOT / "tests" / "gpu"), tests=str(ROOT / "tests"))
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0 and "FP8-GEMM-INTERPRET-OK" in p.stdout, p.stdout[-3000:] + p.stderr[-6000:]
+
+
+def test_fp8_configs_and_bad_scales():
+    import torch
+
+    from lqe.kernels import triton_fp8 as tf
+
+    for m in (1, 16, 17, 64, 256, 1024):
+        cfg = tf.pick_config(m, 4096, 4096)
+        assert cfg.split_k >= 1 and (m > 64 or cfg.split_k * -(-m // cfg.block_m) * cfg.block_m <= tf.WS_ROWS)
+        assert tf.sweep_configs(m)
+    x = torch.zeros(2, 256, dtype=torch.float8_e4m3fn)
+    w = torch.zeros(8, 256, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="block scales"):
+        tf.fp8_mm(x, torch.ones(2, 3), w, torch.ones(1, 2), block_scale=True)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        tf.fp8_mm(x.float(), torch.ones(2), w, torch.ones(8))
