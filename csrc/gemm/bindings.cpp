@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include "gemm_launch.h"
+#include "w4a16_mma.h"
 
 namespace {
 
@@ -72,6 +73,58 @@ at::Tensor wna16_dequant(const at::Tensor& qweight, const at::Tensor& scales, co
   return out;
 }
 
+// lqe-w4a16-mma (csrc/gemm/w4a16_mma.cu): out = x @ W (+ bias) on the repack_mma layout. ws (fp32, >= 64 *
+// n_pad) and locks (int32, >= n_pad / 256, zero) are preallocated by the caller (lqe/kernels/gemm.py), so a
+// call allocates nothing and can be captured in a CUDA graph.
+at::Tensor w4a16_mma_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                          const c10::optional<at::Tensor>& zeros, const c10::optional<at::Tensor>& bias,
+                          at::Tensor out, const at::Tensor& ws, const at::Tensor& locks, int64_t bits,
+                          int64_t group_size, int64_t k_pad, int64_t n_pad, int64_t sms) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto dt = act_dtype(x);
+  check(x, "x", x); check(qweight, "qweight", x); check(scales, "scales", x); check(out, "out", x);
+  check(ws, "ws", x); check(locks, "locks", x);
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2, "lqe w4a16-mma: x and out must be 2-D");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  TORCH_CHECK(out.size(0) == M && out.scalar_type() == x.scalar_type(), "lqe w4a16-mma: out must be [M, N] in x's dtype");
+  TORCH_CHECK(scales.scalar_type() == x.scalar_type() && scales.dim() == 2 && scales.size(1) == n_pad,
+              "lqe w4a16-mma: scales must be [G, n_pad] in x's dtype");
+  if (zeros.has_value()) TORCH_CHECK(zeros->scalar_type() == x.scalar_type() && zeros->sizes() == scales.sizes(),
+                                     "lqe w4a16-mma: zeros must be shaped and typed like scales");
+  if (bias.has_value()) TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == N,
+                                    "lqe w4a16-mma: bias must be [N] in x's dtype");
+  TORCH_CHECK(qweight.numel() * 32 == k_pad * n_pad * bits, "lqe w4a16-mma: qweight holds ", qweight.numel(),
+              " words, expected k_pad*n_pad*bits/32");
+  TORCH_CHECK(ws.scalar_type() == at::kFloat && ws.numel() >= lqe::kMmaMaxRows * n_pad,
+              "lqe w4a16-mma: ws must be float32 with >= 64 * n_pad elements");
+  TORCH_CHECK(locks.scalar_type() == at::kInt && locks.numel() >= n_pad / lqe::kMmaTileN,
+              "lqe w4a16-mma: locks must be int32 with >= n_pad / 256 elements");
+  raise_if(lqe::launch_w4a16_mma(dt, (int)bits, x.data_ptr(), qweight.data_ptr(), scales.data_ptr(),
+                                 opt_ptr(zeros, "zeros", x), opt_ptr(bias, "bias", x), out.data_ptr(),
+                                 ws.data_ptr<float>(), locks.data_ptr<int>(), (int)M, (int)N, (int)K, (int)k_pad,
+                                 (int)n_pad, (int)group_size, (int)scales.size(0), (int)sms,
+                                 c10::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+at::Tensor w4a16_mma_dequant(const at::Tensor& qweight, const at::Tensor& scales,
+                             const c10::optional<at::Tensor>& zeros, at::Tensor out, int64_t bits, int64_t group_size,
+                             int64_t k_pad, int64_t n_pad) {
+  const c10::cuda::CUDAGuard guard(out.device());
+  const auto dt = act_dtype(out);
+  check(qweight, "qweight", out); check(scales, "scales", out); check(out, "out", out);
+  TORCH_CHECK(out.dim() == 2 && scales.scalar_type() == out.scalar_type() && scales.size(1) == n_pad,
+              "lqe w4a16-mma dequant: out must be [K, N] and scales [G, n_pad] in one dtype");
+  if (zeros.has_value()) TORCH_CHECK(zeros->sizes() == scales.sizes() && zeros->scalar_type() == scales.scalar_type(),
+                                     "lqe w4a16-mma dequant: zeros must be shaped and typed like scales");
+  TORCH_CHECK(qweight.numel() * 32 == k_pad * n_pad * bits, "lqe w4a16-mma dequant: qweight size does not match k_pad*n_pad");
+  raise_if(lqe::launch_w4a16_mma_dequant(dt, (int)bits, qweight.data_ptr(), scales.data_ptr(),
+                                         opt_ptr(zeros, "zeros", out), out.data_ptr(), (int)out.size(1),
+                                         (int)out.size(0), (int)k_pad, (int)n_pad, (int)group_size,
+                                         (int)scales.size(0), c10::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
 at::Tensor w8a8_gemm(const at::Tensor& xq, const at::Tensor& a_scale, const c10::optional<at::Tensor>& azp,
                      const at::Tensor& wq, const at::Tensor& w_scale, const c10::optional<at::Tensor>& colsum,
                      const c10::optional<at::Tensor>& bias, at::Tensor out, int64_t slabs_per_split,
@@ -126,6 +179,8 @@ void quantize_per_token(const at::Tensor& x, at::Tensor q, at::Tensor scale, con
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("wna16_gemm", &wna16_gemm);
   m.def("wna16_dequant", &wna16_dequant);
+  m.def("w4a16_mma_gemm", &w4a16_mma_gemm);
+  m.def("w4a16_mma_dequant", &w4a16_mma_dequant);
   m.def("w8a8_gemm", &w8a8_gemm);
   m.def("quantize_per_token", &quantize_per_token);
 }

@@ -1,0 +1,376 @@
+// lqe-w4a16-mma: a Marlin-class W4A16 / W8A16 tensor-core GEMM (issue 24). Design, in the order data flows:
+//
+// * Partitioning. The work is n_tiles x k_tiles block-iterations (256 columns x 64 rows of K each), walked
+//   k fastest and cut into equal contiguous stripes, one per block, at most one block per SM (persistent:
+//   grid <= SMs, so every block is resident). A stripe runs down K of one column tile and on into the next,
+//   so few column tiles at small M still fill every SM. The blocks that share a column tile reduce their fp32
+//   partial sums in a global workspace that stays in L2, serialized by a per-tile lock in K order (block b
+//   waits until the lock equals its rank b - first block of the tile): deterministic, the sum order is fixed.
+//   The last piece adds the bias, rounds once and writes the output, and resets the lock.
+// * Memory pipeline. kStages-deep cp.async ring: per stage the block copies one contiguous 8 KB (4-bit) or
+//   16 KB (8-bit) run of repacked weights with an L2 evict-first policy (read once), the 64-column slab of the
+//   activation rows (zero-filled past M and K) into XOR-swizzled shared memory, and the scale / zero-point rows
+//   of the groups the stage touches. A warp then takes its A fragments with ldmatrix.x4 (conflict-free: chunk
+//   c of row r lives at chunk c ^ (r & 7)) and its B words with one ld.shared.v4 per 16 x 64 tile.
+// * Dequantization in registers (gemm_common.cuh Dq<T, BITS>): lop3 / magic-number halves (fp16 0x6400,
+//   bf16 0x4300 with the >> 4 two-nibble variant, 8-bit __byte_perm), the magic bias and the zero point removed
+//   in one exact sub / fma, the scale applied in one mul; no shared-memory round trip. mma.sync m16n8k16 with
+//   fp32 accumulation, MB m16 tiles (16..64 rows) per launch.
+// Layout contract: lqe/kernels/repack_mma.py; CPU emulation: lqe/kernels/mma_ref.py.
+#include "gemm_common.cuh"
+#include "w4a16_mma.h"
+
+namespace lqe {
+namespace {
+
+constexpr int kThreads = 128;  // 4 warps, warp w owns columns [64w, 64w + 64) of the block tile
+constexpr int kStages = 4;     // NEEDS MEASUREMENT: 4..6 (bytes in flight per SM vs shared memory)
+
+template <int BITS, int MB>
+struct Smem {
+  static constexpr int kB = kMmaTileK * kMmaTileN * BITS / 8;  // weight bytes per stage
+  static constexpr int kA = MB * 16 * kMmaTileK * 2;           // activation bytes per stage
+  static constexpr int kS = 4 * kMmaTileN * 2;                 // 4 slab slots x 256 scales (16-bit)
+  static constexpr int kStage = kB + kA + 2 * kS;              // + as many zero points
+  static constexpr int kTotal = kStages * kStage;
+};
+
+struct MmaArgs {
+  const void* A;
+  const uint4* B;
+  const void* S;
+  const void* Z;
+  const void* bias;
+  void* C;
+  float* ws;
+  int* locks;
+  int M, N, K, k_tiles, n_tiles, n_pad, group_size, groups, per;
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+__device__ __forceinline__ void cp16_evict_first(uint32_t dst, const void* src, uint64_t pol) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "l"(pol));
+}
+__device__ __forceinline__ void cp16_zfill(uint32_t dst, const void* src, bool valid) {
+  const int n = valid ? 16 : 0;  // src-size 0: 16 zero bytes land in shared memory
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.global.acquire.gpu.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release(int* p, int v) {
+  asm volatile("st.global.release.gpu.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+template <typename T, int BITS, int MB>
+__global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a) {
+  using D = Dq<T, BITS>;
+  using SM = Smem<BITS, MB>;
+  constexpr int V = BITS / 4;  // 16-byte vectors per lane per 16 x 64 tile
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g8 = lane >> 2, t4 = lane & 3;
+  const int total = a.n_tiles * a.k_tiles;
+  const int it0 = blockIdx.x * a.per, it1 = min(total, it0 + a.per);
+  if (it0 >= it1) return;
+  const uint64_t pol = evict_first_policy();
+  const T* A = static_cast<const T*>(a.A);
+  const T* S = static_cast<const T*>(a.S);
+  const T* Z = static_cast<const T*>(a.Z);
+  const bool has_zp = Z != nullptr;
+  auto group_of = [&](int krow) { return min(krow / a.group_size, a.groups - 1); };
+
+  auto load_stage = [&](int it, int slot) {
+    uint8_t* st = smem + slot * SM::kStage;
+    const int nt = it / a.k_tiles, kt = it % a.k_tiles;
+    const uint4* src = a.B + ((size_t)kt * a.n_tiles + nt) * (SM::kB / 16);
+    const uint32_t bdst = smem_u32(st);
+#pragma unroll
+    for (int i = 0; i < SM::kB / 16 / kThreads; ++i) {
+      const int c = i * kThreads + tid;
+      cp16_evict_first(bdst + c * 16, src + c, pol);
+    }
+    const uint32_t adst = bdst + SM::kB;
+#pragma unroll
+    for (int i = 0; i < MB; ++i) {  // MB*16 rows x 8 chunks of 16 bytes
+      const int c = i * kThreads + tid, r = c >> 3, ch = c & 7;
+      const int kcol = kt * kMmaTileK + ch * 8;
+      const bool ok = r < a.M && kcol < a.K;
+      cp16_zfill(adst + r * 128 + ((ch ^ (r & 7)) << 4), ok ? A + (size_t)r * a.K + kcol : A, ok);
+    }
+    const uint32_t sdst = adst + SM::kA;
+    for (int c = tid; c < 4 * 64; c += kThreads) {  // slot s, 32 chunks of scales then 32 of zero points
+      const int s = c >> 6, part = c & 63;
+      const bool zp = part >= 32;
+      if (zp && !has_zp) continue;
+      const int g = group_of(kt * kMmaTileK + 16 * s);
+      if (s > 0 && g == group_of(kt * kMmaTileK + 16 * (s - 1))) continue;  // the reader keeps its registers
+      const T* base = zp ? Z : S;
+      cp16(sdst + (zp ? SM::kS : 0) + s * 512 + (part & 31) * 16,
+           base + (size_t)g * a.n_pad + nt * kMmaTileN + (part & 31) * 8);
+    }
+  };
+
+  float acc[MB][8][4];
+#pragma unroll
+  for (int i = 0; i < MB; ++i)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
+
+  // One piece (this block's K range of one column tile) is done: in-L2 reduction in lock order, epilogue.
+  auto finish_piece = [&](int nt, int k_lo, int k_hi) {
+    const bool first = k_lo == 0, last = k_hi == a.k_tiles, shared_tile = !(first && last);
+    int* lock = a.locks + nt;
+    if (shared_tile) {
+      const int rank = (int)blockIdx.x - (nt * a.k_tiles) / a.per;
+      if (tid == 0)
+        while (ld_acquire(lock) != rank) {
+        }
+      __syncthreads();
+    }
+    T* C = static_cast<T*>(a.C);
+    const T* bias = static_cast<const T*>(a.bias);
+#pragma unroll
+    for (int i = 0; i < MB; ++i)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = i * 16 + g8 + 8 * h, col = nt * kMmaTileN + warp * 64 + j * 8 + 2 * t4;
+          if (row >= a.M) continue;
+          float v0 = acc[i][j][2 * h], v1 = acc[i][j][2 * h + 1];
+          float2* wp = reinterpret_cast<float2*>(a.ws + (size_t)row * a.n_pad + col);
+          if (!first) {
+            const float2 o = __ldcg(wp);
+            v0 = o.x + v0;
+            v1 = o.y + v1;
+          }
+          if (!last) {
+            __stcg(wp, make_float2(v0, v1));
+          } else if (col < a.N) {
+            if (bias) {
+              v0 += to_f(bias[col]);
+              v1 += to_f(bias[col + 1]);
+            }
+            *reinterpret_cast<uint32_t*>(C + (size_t)row * a.N + col) = pack_f2(T(), v0, v1);
+          }
+        }
+    if (shared_tile) {
+      if (last) {
+        if (tid == 0) *lock = 0;  // every other piece of this tile is done: ready for the next launch
+      } else {
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) st_release(lock, (int)blockIdx.x - (nt * a.k_tiles) / a.per + 1);
+      }
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (it0 + s < it1) load_stage(it0 + s, s);
+    cp_commit();
+  }
+  typename D::P prm[8];
+  int cur_g = -1;
+  const T zc = from_f<T>((float)(1 << (BITS - 1)));
+  for (int it = it0; it < it1; ++it) {
+    const int i = it - it0;
+    cp_wait<kStages - 2>();
+    __syncthreads();  // stage i landed for every thread; slot (i - 1) % kStages is free
+    if (it + kStages - 1 < it1) load_stage(it + kStages - 1, (i + kStages - 1) % kStages);
+    cp_commit();
+    const uint8_t* st = smem + (i % kStages) * SM::kStage;
+    const int nt = it / a.k_tiles, kt = it % a.k_tiles;
+    const uint4* bsm = reinterpret_cast<const uint4*>(st);
+    const uint32_t abase = smem_u32(st + SM::kB);
+    const T* ssm = reinterpret_cast<const T*>(st + SM::kB + SM::kA);
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const int g = group_of(kt * kMmaTileK + 16 * s);
+      if (g != cur_g) {  // a new group (or a new column tile): 8 scales (+ zero points) from the stage's slot
+        cur_g = g;
+        const uint4 sv = *reinterpret_cast<const uint4*>(ssm + s * kMmaTileN + warp * 64 + g8 * 8);
+        const T* s8 = reinterpret_cast<const T*>(&sv);
+        if (has_zp) {
+          const uint4 zv = *reinterpret_cast<const uint4*>(ssm + 4 * kMmaTileN + s * kMmaTileN + warp * 64 + g8 * 8);
+          const T* z8 = reinterpret_cast<const T*>(&zv);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) prm[j] = D::prep(s8[j], z8[j]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) prm[j] = D::prep(s8[j], zc);
+        }
+      }
+      uint32_t w[4 * V];
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        const uint4 r = bsm[((s * 4 + warp) * V + v) * 32 + lane];
+        w[4 * v + 0] = r.x;
+        w[4 * v + 1] = r.y;
+        w[4 * v + 2] = r.z;
+        w[4 * v + 3] = r.w;
+      }
+      uint32_t af[MB][4];
+#pragma unroll
+      for (int mi = 0; mi < MB; ++mi) {
+        const int r = mi * 16 + (lane & 15), ch = 2 * s + (lane >> 4);
+        ldmatrix_x4(af[mi], abase + r * 128 + ((ch ^ (r & 7)) << 4));
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        uint32_t b0, b1;
+        D::tile(w, j, prm[j], b0, b1);
+#pragma unroll
+        for (int mi = 0; mi < MB; ++mi) MmaF16<T>::run(acc[mi][j], af[mi], b0, b1);
+      }
+    }
+    if (kt == a.k_tiles - 1 || it == it1 - 1) {
+      finish_piece(nt, it0 > nt * a.k_tiles ? it0 - nt * a.k_tiles : 0, kt + 1);
+#pragma unroll
+      for (int mi = 0; mi < MB; ++mi)
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) acc[mi][j][c] = 0.f;
+      cur_g = -1;
+    }
+  }
+  cp_wait<0>();
+}
+
+template <typename T, int BITS, int MB>
+cudaError_t run(const MmaArgs& a, int grid, cudaStream_t st) {
+  constexpr int smem = Smem<BITS, MB>::kTotal;
+  const cudaError_t e =
+      cudaFuncSetAttribute(w4a16_mma_kernel<T, BITS, MB>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) return e;
+  w4a16_mma_kernel<T, BITS, MB><<<grid, kThreads, smem, st>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename T, int BITS>
+cudaError_t run_rows(const MmaArgs& a, int grid, cudaStream_t st) {
+  if (a.M <= 16) return run<T, BITS, 1>(a, grid, st);
+  if (a.M <= 32) return run<T, BITS, 2>(a, grid, st);
+  return run<T, BITS, 4>(a, grid, st);
+}
+
+// Dense W[K, N] (sorted-K order) from the repack_mma layout, one warp per 16 x 64 warp tile, decoded with the
+// GEMM's registers and Dq<T, BITS> (bit-identical to the B fragments it feeds): the dequantize + cuBLAS path
+// above the crossover, and a direct GPU check of the layout against lqe/kernels/mma_ref.py.
+template <typename T, int BITS>
+__global__ void w4a16_mma_dequant_kernel(const uint4* __restrict__ B, const T* __restrict__ S,
+                                         const T* __restrict__ Z, T* __restrict__ W, int N, int K, int n_tiles,
+                                         int n_pad, int tiles, int group_size, int groups) {
+  using D = Dq<T, BITS>;
+  constexpr int V = BITS / 4;
+  const int lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
+  const int t = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
+  if (t >= tiles) return;
+  const int wq = t & 3, s = (t >> 2) & 3, nt = (t >> 4) % n_tiles, kt = (t >> 4) / n_tiles;
+  uint32_t w[4 * V];
+#pragma unroll
+  for (int v = 0; v < V; ++v) {
+    const uint4 r = ld_stream_v4(B + ((size_t)t * V + v) * 32 + lane);
+    w[4 * v + 0] = r.x;
+    w[4 * v + 1] = r.y;
+    w[4 * v + 2] = r.z;
+    w[4 * v + 3] = r.w;
+  }
+  const int k0 = kt * kMmaTileK + s * 16;
+  const size_t sidx = (size_t)min(k0 / group_size, groups - 1) * n_pad + nt * kMmaTileN + wq * 64 + g8 * 8;
+  const T zc = from_f<T>((float)(1 << (BITS - 1)));
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const typename D::P p = D::prep(S[sidx + j], Z ? Z[sidx + j] : zc);
+    uint32_t b[2];
+    D::tile(w, j, p, b[0], b[1]);
+    const T* e = reinterpret_cast<const T*>(b);  // rows 2t4, 2t4+1, 2t4+8, 2t4+9
+    const int col = nt * kMmaTileN + wq * 64 + j * 8 + g8, k = k0 + 2 * t4;
+    if (col >= N) continue;
+    if (k < K) W[(size_t)k * N + col] = e[0];
+    if (k + 1 < K) W[(size_t)(k + 1) * N + col] = e[1];
+    if (k + 8 < K) W[(size_t)(k + 8) * N + col] = e[2];
+    if (k + 9 < K) W[(size_t)(k + 9) * N + col] = e[3];
+  }
+}
+
+template <typename T, int BITS>
+cudaError_t run_dequant(const void* qw, const void* s, const void* z, void* out, int N, int K, int k_pad, int n_pad,
+                        int gs, int groups, cudaStream_t st) {
+  const int tiles = (k_pad / 16) * (n_pad / 64), warps = 8;
+  w4a16_mma_dequant_kernel<T, BITS><<<(tiles + warps - 1) / warps, warps * 32, 0, st>>>(
+      static_cast<const uint4*>(qw), static_cast<const T*>(s), static_cast<const T*>(z), static_cast<T*>(out), N, K,
+      n_pad / kMmaTileN, n_pad, tiles, gs, groups);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+const char* launch_w4a16_mma(DType dt, int bits, const void* x, const void* qweight, const void* scales,
+                             const void* zeros, const void* bias, void* out, float* ws, int* locks, int M, int N,
+                             int K, int k_pad, int n_pad, int group_size, int groups, int sms, cudaStream_t stream) {
+  if (bits != 4 && bits != 8) return "bits must be 4 or 8";
+  if (K <= 0 || N <= 0 || K % 8 != 0 || N % 8 != 0) return "K and N must be positive multiples of 8";
+  if (k_pad % kMmaTileK != 0 || k_pad < K || k_pad - K >= kMmaTileK) return "k_pad must be K rounded up to 64";
+  if (n_pad % kMmaTileN != 0 || n_pad < N || n_pad - N >= kMmaTileN) return "n_pad must be N rounded up to 256";
+  if (group_size <= 0 || (group_size % 16 != 0 && groups != 1)) return "group_size must be a multiple of 16";
+  if (groups <= 0 || sms <= 0) return "groups and sms must be positive";
+  if (M <= 0) return nullptr;
+  const int n_tiles = n_pad / kMmaTileN, k_tiles = k_pad / kMmaTileK, total = n_tiles * k_tiles;
+  const int per = (total + min(sms, total) - 1) / min(sms, total);
+  const int grid = (total + per - 1) / per;
+  const size_t esz = 2;  // fp16 / bf16
+  for (int m0 = 0; m0 < M; m0 += kMmaMaxRows) {  // each 64-row problem reuses ws / locks (stream order)
+    MmaArgs a{static_cast<const char*>(x) + (size_t)m0 * K * esz, static_cast<const uint4*>(qweight), scales, zeros,
+              bias, static_cast<char*>(out) + (size_t)m0 * N * esz, ws, locks, min(kMmaMaxRows, M - m0), N, K,
+              k_tiles, n_tiles, n_pad, group_size, groups, per};
+    cudaError_t e;
+    if (dt == DType::kHalf)
+      e = bits == 4 ? run_rows<half, 4>(a, grid, stream) : run_rows<half, 8>(a, grid, stream);
+    else
+      e = bits == 4 ? run_rows<__nv_bfloat16, 4>(a, grid, stream) : run_rows<__nv_bfloat16, 8>(a, grid, stream);
+    if (e != cudaSuccess) return cudaGetErrorString(e);
+  }
+  return nullptr;
+}
+
+const char* launch_w4a16_mma_dequant(DType dt, int bits, const void* qweight, const void* scales, const void* zeros,
+                                     void* out, int N, int K, int k_pad, int n_pad, int group_size, int groups,
+                                     cudaStream_t stream) {
+  if (bits != 4 && bits != 8) return "bits must be 4 or 8";
+  if (k_pad % kMmaTileK != 0 || k_pad < K || n_pad % kMmaTileN != 0 || n_pad < N) return "k_pad / n_pad do not cover K / N";
+  if (group_size <= 0 || groups <= 0) return "group_size and groups must be positive";
+  cudaError_t e;
+  if (dt == DType::kHalf)
+    e = bits == 4 ? run_dequant<half, 4>(qweight, scales, zeros, out, N, K, k_pad, n_pad, group_size, groups, stream)
+                  : run_dequant<half, 8>(qweight, scales, zeros, out, N, K, k_pad, n_pad, group_size, groups, stream);
+  else
+    e = bits == 4 ? run_dequant<__nv_bfloat16, 4>(qweight, scales, zeros, out, N, K, k_pad, n_pad, group_size, groups, stream)
+                  : run_dequant<__nv_bfloat16, 8>(qweight, scales, zeros, out, N, K, k_pad, n_pad, group_size, groups, stream);
+  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+}
+
+}  // namespace lqe

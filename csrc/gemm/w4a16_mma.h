@@ -1,0 +1,29 @@
+// Host launcher of lqe-w4a16-mma (csrc/gemm/w4a16_mma.cu), the Marlin-class W4A16 / W8A16 tensor-core GEMM.
+// Plain C++ (no torch); csrc/gemm/bindings.cpp validates tensors and calls it. Layout: lqe/kernels/repack_mma.py.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "gemm_launch.h"
+
+namespace lqe {
+
+constexpr int kMmaTileK = 64;    // K rows per cp.async pipeline stage
+constexpr int kMmaTileN = 256;   // N columns per block tile (4 warps x 64)
+constexpr int kMmaMaxRows = 64;  // rows of one launch; a larger M runs as several 64-row problems
+
+// y[M,N] = x[M,K] @ W (+ bias). x / out / bias in the activation dtype, row-major; K % 8 == 0, N % 8 == 0.
+// qweight: the repacked [k_pad x n_pad] codes; scales/zeros: [groups, n_pad] (zeros may be null = symmetric).
+// ws: >= kMmaMaxRows * n_pad floats (the in-L2 stripe reduction); locks: >= n_pad / kMmaTileN ints, zero
+// (the kernel leaves them zero). sms: resident blocks to stripe over (the SM count). Stream-ordered: one
+// launch at a time may use ws/locks.
+const char* launch_w4a16_mma(DType dt, int bits, const void* x, const void* qweight, const void* scales,
+                             const void* zeros, const void* bias, void* out, float* ws, int* locks, int M, int N,
+                             int K, int k_pad, int n_pad, int group_size, int groups, int sms, cudaStream_t stream);
+
+// W[K, N] (row-major, sorted-K order, padding dropped) = the dequantized weights, bit-identical to the GEMM's
+// B fragments: the dequantize + cuBLAS path for large M.
+const char* launch_w4a16_mma_dequant(DType dt, int bits, const void* qweight, const void* scales, const void* zeros,
+                                     void* out, int N, int K, int k_pad, int n_pad, int group_size, int groups,
+                                     cudaStream_t stream);
+
+}  // namespace lqe
