@@ -3,7 +3,9 @@ torch._weight_int4pack_mm, torch._int_mm and torch._scaled_mm, with device-to-de
 memory roofline. Weights are rotated over enough copies to exceed the L2 cache. Two more columns show what a
 model pays per layer with the op producing its input (RMSNorm, or SiLU-mul for down_proj): cuBLAS bf16 after the
 float op, W8A8 after the float op and a separate per-token quantization, and W8A8 after the op fused with the
-quantization (lqe/kernels/fused_quant.py).
+quantization (lqe/kernels/fused_quant.py). The W8A8 / FP8 GEMV, fp8 GEMM and layer rows (lqe-w8a8-layer,
+lqe-fp8-layer: producer fused with the quantization + GEMM, against producer + cuBLAS bf16) come from
+benchmarks/kernels_w8a8.py; every row carries its byte / FLOP floor and the run prints the W8A8 / FP8 tables it implies.
 
     python benchmarks/kernels.py [--m 1 16 128] [--shapes 4096x4096] [--out results.json]
 """
@@ -121,7 +123,11 @@ def candidates(k: int, n: int):
     wi8 = rotating(lambda: torch.randint(-127, 128, (n, k), dtype=torch.int8, device=dev).t(), k * n)
     out["torch-int-mm"] = (lambda x: (lambda xq=torch.randint(-127, 128, x.shape, dtype=torch.int8, device=dev),
                                              c=cycler(wi8): lambda: torch._int_mm(xq, c()))(), k * n)
-    add_model_columns(out, k, n, ws, add_w8a8_candidates(out, k, n, wi8))
+    plans = add_w8a8_candidates(out, k, n, wi8)
+    add_model_columns(out, k, n, ws, plans)
+    from kernels_w8a8 import add_w8a8_fp8_rows  # W8A8 / FP8 GEMV, fp8 GEMM and layer rows (issue 25)
+
+    add_w8a8_fp8_rows(out, k, n, rotating, cycler, producer_of(k, n), plans, wi8)
     if w8a8.fp8_supported() is None:
         f8 = rotating(lambda: w8a8.fp8_quantize_weight(torch.randn(k, n, device=dev) * 0.02), k * n)
 
@@ -309,6 +315,16 @@ def w8a8_sweep(shapes: list[str], ms: list[int], copy_gbps: float) -> list[dict]
                         q, s, c().t(), ws, out=o, config=cfg))(), reps=30)
                 except Exception as e:  # noqa: BLE001 -- a config that does not compile / fit is skipped
                     print(f"# {shape} M={m} {cfg}: {type(e).__name__}: {str(e)[:100]}")
+            if m <= 16:  # the GEMV (lqe/kernels/triton_gemv_w8a8.py) and its candidate configs
+                from lqe.kernels import triton_gemv_w8a8 as tg
+
+                tg.reserve_workspace("cuda", n)
+                for cfg in tg.sweep_configs(m):
+                    try:
+                        timed[f"triton-gemv:{cfg}"] = bench((lambda c=cycler(wi8), cfg=cfg: lambda: tg.gemv_w8a8(
+                            q, s, c().t(), ws, out=o, config=cfg))(), reps=30)
+                    except Exception as e:  # noqa: BLE001 -- a config that does not compile / fit is skipped
+                        print(f"# {shape} M={m} gemv {cfg}: {type(e).__name__}: {str(e)[:100]}")
             table_cfg = tw.pick_config(m, n, k, torch.device("cuda"))
             timed[f"triton-w8a8(table {table_cfg})"] = bench((lambda c=cycler(wi8): lambda: tw.w8a8_mm(
                 q, s, c().t(), ws, out=o))())
@@ -360,6 +376,8 @@ def main(argv=None) -> int:
            "capability": ".".join(map(str, torch.cuda.get_device_capability())),
            "sms": torch.cuda.get_device_properties(0).multi_processor_count}
     print(f"# {gpu} | torch {env['torch']} cuda {env['cuda']} | d2d copy {copy_gbps:.0f} GB/s")
+    import kernels_w8a8 as kw8
+
     rows = []
     if args.w8a8_sweep:
         rows = w8a8_sweep(args.shapes, args.m, copy_gbps)
@@ -394,7 +412,10 @@ def main(argv=None) -> int:
                 gbps = (wbytes + m * k * 2 + m * n * 2) / (us * 1e-6) / 1e9
                 row = {"kernel": name, "shape": shape, "m": m, "us": round(us, 2),
                        "tflops": round(2 * m * n * k / (us * 1e-6) / 1e12, 2), "gbps": round(gbps, 1),
-                       "speedup_vs_cublas": round(base / us, 3) if base else None}
+                       "speedup_vs_cublas": round(base / us, 3) if base else None,
+                       "floor_us": round(kw8.floor_us(name, m, n, k, copy_gbps, gpu), 2)}
+                if name.endswith("-layer"):  # producer + quant + GEMM against producer + cuBLAS bf16
+                    row["layer_vs_bf16"] = row["speedup_vs_cublas"] = round(base_model / us, 3) if base_model else None
                 if extra:
                     row["producer"] = producer_of(k, n)
                 for col, v in extra.items():
@@ -404,15 +425,18 @@ def main(argv=None) -> int:
                 model = "".join(f"  {row[c]:9.2f} ({row[c.replace('_us', '_speedup_vs_cublas')] or float('nan'):4.2f}x)"
                                 for c in ("model_us", "model_fused_us") if c in row)
                 print(f"{name:26s} {shape:>11s} {m:5d} {us:9.2f} {row['tflops']:8.2f} {gbps:7.0f} "
-                      f"{100 * gbps / copy_gbps:5.0f}% {row['speedup_vs_cublas'] or float('nan'):8.2f}x" + model)
+                      f"{100 * gbps / copy_gbps:5.0f}% {row['speedup_vs_cublas'] or float('nan'):8.2f}x" + model
+                      + f"  floor {row['floor_us']:.2f} us")
         del cands
         torch.cuda.empty_cache()
+    implied = kw8.print_implied_tables(rows) if not (args.w8a8_sweep or args.wna16_sweep) else {}
     tag = "".join(c if c.isalnum() else "-" for c in gpu).strip("-").lower()
     path = Path(args.out) if args.out else (Path(os.environ["OUT"]) if os.environ.get("OUT") else
                                             Path(__file__).parent / "results") / \
         f"kernels{'-w8a8-sweep' if args.w8a8_sweep else ''}{'-wna16-sweep' if args.wna16_sweep else ''}-{tag}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"device": gpu, "env": env, "copy_gbps": round(copy_gbps, 1), "rows": rows}, indent=1))
+    path.write_text(json.dumps({"device": gpu, "env": env, "copy_gbps": round(copy_gbps, 1), "rows": rows,
+                                "implied_tables": implied}, indent=1))
     print(f"# wrote {path}")
     return 0
 

@@ -280,6 +280,54 @@ def fp8_linear(x: torch.Tensor, wq_nk: torch.Tensor, w_scale: torch.Tensor, bias
     return out.view(*lead, wq_nk.shape[0])
 
 
+
+FP8_KERNELS = ("triton-gemv", "scaled-mm", "triton-fp8")
+
+
+def fp8_apply(xq: torch.Tensor, x_scale: torch.Tensor, wq_nk: torch.Tensor, w_scale: torch.Tensor,
+              bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+              table: list[tuple[int | None, str]] | None = None) -> torch.Tensor:
+    """FP8 W8A8 product of quantized activations (per token ``[M]``/``[M, 1]`` or one static scale) and a per-channel
+    (or per-tensor, expanded) fp8 weight ``[N, K]``, through the kernel FP8_TABLE (lqe/kernels/dispatch.py) picks for
+    M: the Triton GEMV (M <= 16), ``torch._scaled_mm`` (row-wise scales; bf16 output, cast) or the Triton fp8 GEMM.
+    Host-only choice: CUDA-graph capturable."""
+    from lqe.kernels.dispatch import FP8_TABLE, pick
+
+    m = xq.shape[0]
+    name = pick(table or FP8_TABLE, m)
+    if name == "triton-gemv" and m <= 16:
+        from lqe.kernels import triton_gemv_w8a8 as tg
+
+        return tg.gemv_w8a8(xq, x_scale, wq_nk, w_scale, bias=bias, out_dtype=out_dtype)
+    if name == "triton-fp8":
+        from lqe.kernels import triton_fp8 as tf
+
+        return tf.fp8_mm(xq, x_scale, wq_nk, w_scale, bias, out_dtype)
+    xs = x_scale.float().reshape(-1, 1)
+    xs = xs.expand(m, 1).contiguous() if xs.shape[0] != m else xs
+    ws = w_scale.float().reshape(1, -1)
+    if out_dtype == torch.bfloat16:
+        return fp8_gemm(xq, xs, wq_nk, ws, bias, out_dtype)
+    out = fp8_gemm(xq, xs, wq_nk, ws, None, torch.bfloat16).to(out_dtype)
+    return out if bias is None else out + bias.to(out_dtype)
+
+
+def fp8_block_apply(x: torch.Tensor, wq_nk: torch.Tensor, w_block_scale: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Block-scaled FP8 (128 x 128 weight blocks) of float ``x [M, K]``: 1 x 128 dynamic activation groups (torch
+    quantizer: the fused producers of lqe/kernels/fused_quant_fp8.py emit the same bits), then the Triton kernel."""
+    from lqe.kernels import triton_fp8 as tf
+    from lqe.kernels.fused_quant_fp8 import quant_fp8_ref
+
+    xq, xs = quant_fp8_ref(x, tf.SCALE_BLOCK)
+    return fp8_block_apply_quantized(xq, xs, wq_nk, w_block_scale, bias, x.dtype)
+
+
+def fp8_block_apply_quantized(xq, xs, wq_nk, w_block_scale, bias=None, out_dtype=torch.bfloat16):
+    from lqe.kernels import triton_fp8 as tf
+
+    return tf.fp8_mm(xq, xs, wq_nk, w_block_scale, bias, out_dtype, block_scale=True)
+
 _FP8_PROBED: dict[str, str | None] = {}
 
 

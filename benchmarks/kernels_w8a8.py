@@ -1,0 +1,168 @@
+"""W8A8 int8 / FP8 rows of benchmarks/kernels.py (issue 25): the per-kernel GEMV and fp8 rows, the layer rows, the
+byte / FLOP floor of each row and the kernel tables the run implies.
+
+Layer rows (what a model's layer runs, the op producing its input included, timed as one sequence of launches):
+* ``lqe-w8a8-layer``: RMSNorm (SiLU-mul for down_proj) fused with the per-token int8 quantization
+  (lqe/kernels/fused_quant.py), then the GEMM + epilogue W8A8_TABLE picks for M (lqe/kernels/w8a8.w8a8_apply);
+* ``lqe-fp8-layer``: the same producer fused with per-token fp8 quantization (lqe/kernels/fused_quant_fp8.py), then
+  the kernel FP8_TABLE picks (lqe/kernels/w8a8.fp8_apply);
+* ``lqe-fp8-block-layer``: the producer fused with 1 x 128 fp8 groups, then the 128 x 128 block-scaled Triton GEMM;
+* their baseline, in the same run and on the same shapes: the float producer then cuBLAS bf16 (``model_us`` of the
+  ``cublas-bf16`` row). ``layer_vs_bf16`` = that time / the layer's time. o_proj's input really comes from attention;
+  its rows use the norm too, so every shape times the same composition.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+# dense tensor-core peaks (TFLOP/s) for the FLOP floor; 8-bit = 2x bf16. Unknown GPU: bytes floor only.
+PEAK_TFLOPS = {"h100": {"bf16": 989.0, "int8": 1979.0}, "h200": {"bf16": 989.0, "int8": 1979.0}}
+W8A8_KERNEL_ROWS = ("triton-gemv", "triton-w8a8", "int-mm+epilogue", "lqe-w8a8")
+FP8_KERNEL_ROWS = ("triton-gemv-fp8", "triton-fp8", "lqe-fp8/torch-scaled-mm")
+TABLE_NAMES = {"triton-gemv-fp8": "triton-gemv", "lqe-fp8/torch-scaled-mm": "scaled-mm"}
+
+
+def peak(device_name: str, kind: str) -> float | None:
+    low = device_name.lower()
+    for key, peaks in PEAK_TFLOPS.items():
+        if key in low:
+            return peaks[kind]
+    return None
+
+
+def floor_us(kernel: str, m: int, n: int, k: int, copy_gbps: float, device_name: str) -> float:
+    """max(bytes at d2d copy bandwidth, FLOPs at the dense tensor-core peak) of one row. Bytes: the weight
+    (1 byte / element for 8-bit rows, 2 for bf16, 0.5 + scales for W4A16), activations in and out; layer rows add
+    the producer's float input read (and the residual read + write of the norm)."""
+    if kernel.startswith("cublas") or kernel.startswith("torch-matmul"):
+        wb, kind = 2.0, "bf16"
+    elif "w4a16" in kernel or "wna16" in kernel or "int4" in kernel:
+        wb, kind = 0.5 + 2 / 128, "bf16"
+    else:
+        wb, kind = 1.0, "int8"
+    nbytes = wb * n * k + 2 * m * n + (m * k if kind == "int8" else 2 * m * k)
+    if kernel.endswith("-layer"):
+        nbytes += 3 * 2 * m * k  # producer: x (+ residual) read, residual written
+    t = nbytes / (copy_gbps * 1e3)
+    p = peak(device_name, kind)
+    return max(t, 2 * m * n * k / (p * 1e6)) if p else t
+
+
+def _ops(k: int, x: torch.Tensor, producer: str):
+    """(float producer, int8-fused producer, fp8-fused producer, fp8-group-fused producer) on inputs for x [M, K]."""
+    from lqe.kernels import fused_ops as fo
+    from lqe.kernels import fused_quant as fq
+    from lqe.kernels import fused_quant_fp8 as f8
+
+    if producer == "silu":
+        a = torch.randn(x.shape[0], 2 * k, device=x.device, dtype=x.dtype)
+        return ((lambda: fo.silu_and_mul(a)), (lambda: fq.silu_mul_quant_int8(a)),
+                (lambda: f8.silu_mul_quant_fp8(a)), (lambda: f8.silu_mul_quant_fp8(a, group=128)))
+    r, w = torch.randn_like(x), torch.rand(k, device=x.device, dtype=x.dtype) + 0.5
+    return ((lambda: fo.rms_norm(x, w, 1e-6, r)[0]), (lambda: fq.rms_norm_quant_int8(x, w, 1e-6, r)[:2]),
+            (lambda: f8.rms_norm_quant_fp8(x, w, 1e-6, r)[:2]), (lambda: f8.rms_norm_quant_fp8(x, w, 1e-6, r, 128)[:2]))
+
+
+def rotating_fp8(rotating, k: int, n: int):
+    from lqe.kernels import w8a8
+
+    return rotating(lambda: w8a8.fp8_quantize_weight(torch.randn(k, n, device="cuda") * 0.02), k * n)
+
+
+def add_w8a8_fp8_rows(out: dict, k: int, n: int, rotating, cycler, producer: str, plans: list | None,
+                      wi8: list) -> None:
+    """Add the per-kernel ``triton-gemv``, ``triton-gemv-fp8``, ``triton-fp8`` rows and the layer rows to the
+    candidates of benchmarks/kernels.py (``name -> (setup(x) -> fn, weight_bytes)``)."""
+    from lqe.kernels import triton_gemv_w8a8 as tg
+    from lqe.kernels import w8a8
+
+    dev = "cuda"
+    ws = torch.rand(n, device=dev) * 0.01
+    tg.reserve_workspace(dev, n)
+
+    def gemv_i8(x):
+        if x.shape[0] > tg.MAX_M:
+            raise ValueError("triton-gemv serves M <= 16")
+        q, s, _ = w8a8.quantize_per_token_any(x)
+        c = cycler(wi8)
+        return lambda: tg.gemv_w8a8(q, s, c().t(), ws)
+    out["triton-gemv"] = (gemv_i8, k * n)
+    if plans is not None:
+        def layer_i8(x):
+            _, fused, _, _ = _ops(k, x, producer)
+            c = cycler(plans)
+            return lambda: w8a8.w8a8_apply(*fused(), c(), out_dtype=torch.bfloat16)
+        out["lqe-w8a8-layer"] = (layer_i8, k * n)
+    if w8a8.fp8_supported() is not None:
+        print(f"# fp8 rows skipped: {w8a8.fp8_supported()}")
+        return
+    from lqe.kernels import triton_fp8 as tf
+
+    f8 = rotating_fp8(rotating, k, n)
+    tf.reserve_workspace(dev, n)
+
+    def gemv_f8(x):
+        if x.shape[0] > tg.MAX_M:
+            raise ValueError("triton-gemv serves M <= 16")
+        xq, xs = w8a8.fp8_quantize_per_token(x)
+        c = cycler(f8)
+        return lambda: (lambda t: tg.gemv_w8a8(xq, xs, t[0], t[1]))(c())
+    out["triton-gemv-fp8"] = (gemv_f8, k * n)
+
+    def mm_f8(x):
+        xq, xs = w8a8.fp8_quantize_per_token(x)
+        c = cycler(f8)
+        return lambda: (lambda t: tf.fp8_mm(xq, xs, t[0], t[1]))(c())
+    out["triton-fp8"] = (mm_f8, k * n)
+
+    def layer_f8(x):
+        _, _, fused, _ = _ops(k, x, producer)
+        c = cycler(f8)
+        return lambda: (lambda t: w8a8.fp8_apply(*fused(), t[0], t[1]))(c())
+    out["lqe-fp8-layer"] = (layer_f8, k * n)
+
+    if k % 128 == 0:
+        blocks = [(wq, torch.rand(-(-n // 128), k // 128, device=dev) * 0.01) for wq, _ in f8]
+
+        def layer_block(x):
+            _, _, _, fused = _ops(k, x, producer)
+            c = cycler(blocks)
+            return lambda: (lambda t: w8a8.fp8_block_apply_quantized(*fused(), t[0], t[1]))(c())
+        out["lqe-fp8-block-layer"] = (layer_block, k * n)
+
+
+def implied_tables(rows: list[dict]) -> dict[str, list]:
+    """Per M, the fastest per-kernel row by geometric-mean speed-up over cuBLAS bf16 across the shapes timed, as
+    W8A8_TABLE / FP8_TABLE rows ``(max_m, kernel)`` (adjacent M with the same winner merged); printed by
+    benchmarks/kernels.py so a GPU run says which table its numbers imply."""
+    out = {}
+    for label, names in (("W8A8_TABLE", W8A8_KERNEL_ROWS), ("FP8_TABLE", FP8_KERNEL_ROWS)):
+        by_m: dict[int, dict[str, list[float]]] = {}
+        shapes = {r["shape"] for r in rows}
+        for r in rows:
+            if r["kernel"] in names and r.get("speedup_vs_cublas"):
+                by_m.setdefault(r["m"], {}).setdefault(r["kernel"], []).append(r["speedup_vs_cublas"])
+        table: list[list] = []
+        for m in sorted(by_m):
+            full = {nm: v for nm, v in by_m[m].items() if len(v) == len(shapes)}
+            if not full:
+                continue
+            best = max(full, key=lambda nm: sum(map(math.log, full[nm])))
+            name = TABLE_NAMES.get(best, best)
+            if table and table[-1][1] == name:
+                table[-1][0] = m
+            else:
+                table.append([m, name])
+        if table:
+            table[-1][0] = None
+        out[label] = [tuple(t) for t in table]
+    return out
+
+
+def print_implied_tables(rows: list[dict]) -> dict[str, list]:
+    tables = implied_tables(rows)
+    for label, table in tables.items():
+        print(f"# {label} implied by this run (geo-mean over shapes, per M): {table}")
+    return tables
