@@ -162,3 +162,26 @@ def test_unsupported_inputs_are_named():
     assert "contiguous groups" in repack_mma.mma_unsupported(cw)
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         repack_mma.repack_mma(make_canonical(128, 64, 4, 32, False, False, seed=0), torch.float32)
+
+
+def test_tables_resolve_to_one_layout(monkeypatch):
+    """A table naming lqe-w4a16-mma serves mma-layout layers with only its two kernels; a wna16-layout layer
+    (shape the mma kernel declines) gets the wna16 counterparts of the mma rows."""
+    from lqe.kernels import dispatch, gemm
+
+    mma = tuple(dispatch.WNA16_MMA_TABLE)
+    assert gemm.table_uses_mma(list(mma)) and not gemm.table_uses_mma(dispatch.WNA16_TABLE)
+    assert set(n for _, n in gemm._table_for("cuda:0", True, True, True, mma)) == {
+        "lqe-w4a16-mma", "lqe-w4a16-mma-dequant+cublas"}
+    legacy = tuple(dispatch.WNA16_TABLE)
+    on_mma = gemm._table_for("cuda:0", True, True, True, legacy)
+    assert [n for _, n in on_mma] == ["lqe-w4a16-mma", "lqe-w4a16-mma", "lqe-w4a16-mma-dequant+cublas"]
+    assert [n for _, n in gemm._table_for("cuda:0", True, True, False, mma)] == ["triton-wna16", "triton-dequant+cublas"]
+    assert [n for _, n in gemm._table_for("cuda:0", True, False, False, mma)] == ["lqe-wna16-fused", "dequant+cublas"]
+    monkeypatch.setenv("LQE_WNA16_TABLE", "mma")
+    assert gemm.active_table() is dispatch.WNA16_MMA_TABLE
+    monkeypatch.setenv("LQE_WNA16_TABLE", "marlin")
+    with pytest.raises(ValueError, match="LQE_WNA16_TABLE"):
+        gemm.active_table()
+    monkeypatch.delenv("LQE_WNA16_TABLE")
+    assert gemm.active_table() is dispatch.WNA16_TABLE

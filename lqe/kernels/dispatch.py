@@ -25,6 +25,17 @@ WNA16_TABLE: list[tuple[int | None, str]] = [
     (128, "triton-wna16"),  # 0.2-1.5x: good on wide N (gate_up 1.5x), poor on N=4096-6144 at M<=16 (0.2-0.3x)
     (None, "triton-dequant+cublas"),  # 0.5-0.8x: the dequantize runs at 85 % of copy bandwidth, then cuBLAS
 ]
+# "lqe-w4a16-mma" (issue 24; csrc/gemm/w4a16_mma.cu): the Marlin-class tensor-core GEMM (persistent stripes,
+# 4-stage cp.async, in-L2 reduction; 64-row problems), on its own weight layout (lqe/kernels/repack_mma.py), with
+# "lqe-w4a16-mma-dequant+cublas" (its dequantize, then cuBLAS) above the crossover. NOT MEASURED YET, so it is
+# not the default: benchmarks/kernels.py times it as the candidate (rows "lqe-w4a16-mma*") and prints the table
+# its measurement implies (--print-wna16-table). To run it in a model before that: LQE_WNA16_TABLE=mma, or put
+# its rows here. A table naming lqe-w4a16-mma repacks layers into the mma layout, which serves only these two
+# names (a wna16-layout row resolves to its mma counterpart: one copy of the weights per layer).
+WNA16_MMA_TABLE: list[tuple[int | None, str]] = [
+    (256, "lqe-w4a16-mma"),  # guessed crossover: the weights are re-read once per 64-row problem
+    (None, "lqe-w4a16-mma-dequant+cublas"),
+]
 
 # ------------------------------------------------------------------------------------------------ W8A8 int8 / FP8
 # (owned by the W8A8 kernel work: lqe/kernels/w8a8.py and friends)

@@ -12,13 +12,16 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 
 from lqe.kernels import build, dispatch
 from lqe.kernels.device_info import sm_count as device_sm_count
+from lqe.kernels import gemm_mma
 from lqe.kernels.repack import PackedWNA16, repack_wna16, wna16_unsupported
+from lqe.kernels.repack_mma import PackedMMA, mma_unsupported, repack_mma
 from lqe.kernels.canonical import CanonicalWeight
 
 log = logging.getLogger(__name__)
@@ -28,7 +31,9 @@ log = logging.getLogger(__name__)
 LARGE_M_THRESHOLD = 128
 # What a table row becomes when its kernel is unavailable here (no triton / extension not built).
 _COUNTERPART = {"lqe-wna16-fused": "triton-wna16", "triton-wna16": "lqe-wna16-fused",
-                "triton-dequant+cublas": "dequant+cublas", "dequant+cublas": "triton-dequant+cublas"}
+                "triton-dequant+cublas": "dequant+cublas", "dequant+cublas": "triton-dequant+cublas",
+                "lqe-w4a16-mma": "triton-wna16", "lqe-w4a16-mma-dequant+cublas": "triton-dequant+cublas"}
+_MMA_KERNELS = (gemm_mma.MMA_KERNEL, "lqe-w4a16-mma-dequant+cublas")
 _TRITON_KERNELS = ("triton-wna16", "triton-dequant+cublas")
 # Split-K aims for this many resident blocks per SM so few-tile decode shapes still fill the GPU.
 # NEEDS MEASUREMENT (memory-level parallelism vs. fix-up traffic).
@@ -106,29 +111,50 @@ def triton_reason(device: torch.device | str) -> str | None:
     return triton_wna16.unavailable_reason(device)
 
 
+def active_table() -> list[tuple[int | None, str]]:
+    """``dispatch.WNA16_TABLE``, or ``dispatch.WNA16_MMA_TABLE`` when ``LQE_WNA16_TABLE=mma``."""
+    choice = os.environ.get("LQE_WNA16_TABLE", "").strip().lower()
+    if choice not in ("", "default", "mma"):
+        raise ValueError(f"LQE_WNA16_TABLE={choice!r}: use 'mma' (dispatch.WNA16_MMA_TABLE) or leave it unset")
+    return dispatch.WNA16_MMA_TABLE if choice == "mma" else dispatch.WNA16_TABLE
+
+
+def table_uses_mma(table: list[tuple[int | None, str]] | None = None) -> bool:
+    """True when the table names lqe-w4a16-mma: layers are then repacked into its layout."""
+    return any(name in _MMA_KERNELS for _, name in (table if table is not None else active_table()))
+
+
 @functools.lru_cache(maxsize=None)
-def _table_for(device_key: str, has_cuda: bool, has_triton: bool) -> tuple[tuple[int | None, str], ...]:
+def _table_for(device_key: str, has_cuda: bool, has_triton: bool, mma_layout: bool,
+               table: tuple[tuple[int | None, str], ...]) -> tuple[tuple[int | None, str], ...]:
     rows = []
-    for max_m, name in dispatch.WNA16_TABLE:
-        ok = has_triton if name in _TRITON_KERNELS else has_cuda
-        if not ok:
-            name = _COUNTERPART[name]
+    for max_m, name in table:
+        if mma_layout:  # one layout per layer: every row becomes the mma GEMM or the mma dequantize + cuBLAS
+            name = name if name in _MMA_KERNELS else (
+                "lqe-w4a16-mma-dequant+cublas" if name in gemm_mma.MMA_DEQUANT_NAMES else gemm_mma.MMA_KERNEL)
+        else:
+            if name in _MMA_KERNELS:
+                name = _COUNTERPART[name]
+            ok = has_triton if name in _TRITON_KERNELS else has_cuda
+            if not ok:
+                name = _COUNTERPART[name]
         rows.append((max_m, name))
     return tuple(rows)
 
 
-def resolved_table(device: torch.device) -> tuple[tuple[int | None, str], ...]:
-    """``dispatch.WNA16_TABLE`` with every kernel that cannot run on ``device`` replaced by its counterpart."""
+def resolved_table(device: torch.device, mma_layout: bool = False) -> tuple[tuple[int | None, str], ...]:
+    """The active W4A16 table (:func:`active_table`) with every kernel that cannot run on ``device`` (or on the
+    layer's layout: ``mma_layout`` for :class:`PackedMMA` weights) replaced by its counterpart."""
     has_triton = triton_reason(device) is None
     has_cuda = available()  # the extension checks its tensors' device itself
     if not (has_cuda or has_triton):
         raise RuntimeError(f"no W4A16 kernel can run on {device}: {unavailable_reason()}; {triton_reason(device)}")
-    return _table_for(str(device), has_cuda, has_triton)
+    return _table_for(str(device), has_cuda, has_triton, mma_layout, tuple(active_table()))
 
 
-def kernel_for(m: int, device: torch.device) -> str:
+def kernel_for(m: int, device: torch.device, mma_layout: bool = False) -> str:
     """The kernel name that runs ``m`` tokens on ``device`` (host-only: shapes and cached availability)."""
-    return dispatch.pick(list(resolved_table(device)), m)
+    return dispatch.pick(list(resolved_table(device, mma_layout)), m)
 
 
 def wna16_gemm(x: torch.Tensor, packed: PackedWNA16, bias: torch.Tensor | None = None,
@@ -146,6 +172,8 @@ def wna16_gemm(x: torch.Tensor, packed: PackedWNA16, bias: torch.Tensor | None =
         x2 = x2.index_select(1, packed.perm)  # act-order: gather x columns like the rows were permuted
     x2 = x2.contiguous()
     m = x2.shape[0]
+    if isinstance(packed, PackedMMA):
+        return _mma_call(x2, packed, bias, out, path, splits).view(*lead, packed.n)
     name = {"fused": "lqe-wna16-fused", "dequant": "dequant+cublas", "triton": "triton-wna16"}.get(path, path)
     if name == "auto":
         name = kernel_for(m, x2.device)
@@ -178,9 +206,26 @@ def wna16_gemm(x: torch.Tensor, packed: PackedWNA16, bias: torch.Tensor | None =
     return out.view(*lead, packed.n)
 
 
+def _mma_call(x2: torch.Tensor, p: PackedMMA, bias: torch.Tensor | None, out: torch.Tensor | None, path: str,
+              sms: int | None) -> torch.Tensor:
+    """The lqe-w4a16-mma layout: its GEMM (``sms`` stripes, default the SM count) or its dequantize + cuBLAS."""
+    m = x2.shape[0]
+    name = kernel_for(m, x2.device, mma_layout=True) if path == "auto" else path
+    if out is None:
+        out = torch.empty(m, p.n, dtype=x2.dtype, device=x2.device)
+    if name in ("fused", "cuda", gemm_mma.MMA_KERNEL):
+        return gemm_mma.mma_gemm(_ext(), x2, p, bias, out, sms)
+    if name in ("dequant", *gemm_mma.MMA_DEQUANT_NAMES):
+        return gemm_mma.mma_dequant_matmul(_ext(), x2, p, bias, out)
+    raise ValueError(f"W4A16 path {path!r} cannot run lqe-w4a16-mma weights: use 'auto', {gemm_mma.MMA_KERNEL!r} "
+                     f"or 'lqe-w4a16-mma-dequant+cublas'")
+
+
 def wna16_dequantize(packed: PackedWNA16, kernel: str = "cuda") -> torch.Tensor:
     """Dense ``[K, N]`` weights (sorted-K order) from the CUDA (``kernel="cuda"``) or Triton dequantize kernel;
-    both are bit-identical."""
+    both are bit-identical. For :class:`PackedMMA` weights, the lqe-w4a16-mma dequantize."""
+    if isinstance(packed, PackedMMA):
+        return gemm_mma.mma_dequantize(_ext(), packed)
     if kernel == "triton":
         from lqe.kernels import triton_wna16
 
@@ -196,7 +241,7 @@ w4a16_gemm = wna16_gemm  # the name the quant layers use; handles 8-bit weights 
 class WNA16Kernel:
     """What :func:`select_w4a16_kernel` returns: call it as ``kernel(x, bias)``."""
 
-    packed: PackedWNA16
+    packed: PackedWNA16 | PackedMMA
     description: str
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -213,7 +258,8 @@ def select_w4a16_kernel(canonical: CanonicalWeight, device: torch.device | str,
         reasons.append(f"device is {device.type}, lqe-wna16 needs cuda")
     if dtype not in (torch.float16, torch.bfloat16):
         reasons.append(f"activation dtype {dtype} (lqe-wna16 needs float16 or bfloat16)")
-    shape_reason = wna16_unsupported(canonical)
+    use_mma = table_uses_mma() and mma_unsupported(canonical) is None and device.type == "cuda" and available()
+    shape_reason = None if use_mma else wna16_unsupported(canonical)
     if shape_reason:
         reasons.append(shape_reason)
     if device.type == "cuda" and torch.cuda.is_available():
@@ -225,11 +271,15 @@ def select_w4a16_kernel(canonical: CanonicalWeight, device: torch.device | str,
         reasons.append(f"{_state.get('error')}{why_triton}")
     if reasons:
         return None, "lqe-wna16 unavailable: " + "; ".join(reasons)
-    packed = repack_wna16(_to_device(canonical, device), dtype)
+    if use_mma:
+        packed = repack_mma(_to_device(canonical, device), dtype)
+        gemm_mma.reserve_workspace(device, packed.n_pad)  # at load: nothing allocated per call (graph capture)
+    else:
+        packed = repack_wna16(_to_device(canonical, device), dtype)
     k, n = canonical.shape
     table = ", ".join(f"{'M<=' + str(mx) if mx is not None else 'above'}: {name}"
-                      for mx, name in resolved_table(device))
-    desc = (f"lqe-wna16 (bits={canonical.bits}, group_size={canonical.group_size}, "
+                      for mx, name in resolved_table(device, use_mma))
+    desc = (f"{'lqe-w4a16-mma' if use_mma else 'lqe-wna16'} (bits={canonical.bits}, group_size={canonical.group_size}, "
             f"{'asym' if canonical.zeros is not None else 'sym'}{', act-order' if packed.perm is not None else ''}, "
             f"K={k}, N={n}; {table})")
     return WNA16Kernel(packed, desc), desc

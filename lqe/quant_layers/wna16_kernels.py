@@ -14,6 +14,7 @@ slower than dequant+matmul (3.5 / 57 / 463 ms). ``_weight_int8pack_mm`` in bf16:
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -240,12 +241,14 @@ class CudaWNA16(nn.Module):
         self.register_buffer("zeros", p.zeros)
         self.register_buffer("perm", p.perm)
         self.bits, self.group_size, self.k, self.n = p.bits, p.group_size, p.k, p.n
+        # the layout class (PackedWNA16, or PackedMMA for lqe-w4a16-mma) and its non-tensor fields
+        self._layout = type(p)
+        self._meta = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)
+                      if not isinstance(getattr(p, f.name), torch.Tensor) and getattr(p, f.name) is not None}
         self.description = description
 
     def packed(self):
-        from lqe.kernels.repack import PackedWNA16
-
-        return PackedWNA16(self.qweight, self.scales, self.zeros, self.perm, self.bits, self.group_size, self.k, self.n)
+        return self._layout(qweight=self.qweight, scales=self.scales, zeros=self.zeros, perm=self.perm, **self._meta)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from lqe.kernels import gemm
