@@ -21,12 +21,27 @@ class LLM:
 
     >>> llm = LLM("smollm2-135m-instruct")
     >>> llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+
+    ``llm.shutdown()``, the end of a ``with LLM(...) as llm:`` block, or ``del llm`` (with garbage collection)
+    releases the weights, the KV cache, the CUDA graphs and the tensor-parallel workers, so another LLM can follow
+    in the same process.
     """
 
     def __init__(self, model: str, quantization: str | None = None, **kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(model, quantization=quantization, **kwargs)
         self.llm_engine = LLMEngine(self.config)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Release the engine (weights, KV cache, CUDA graphs, tensor-parallel workers and process group);
+        idempotent. Later calls of ``generate`` / ``chat`` / ``stream`` raise a clear error."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -4,12 +4,13 @@ Rank 0 is the driver (the user's process): it runs the scheduler, block manager 
 model step broadcasts the step (the scheduler output, without the sequences' random generators) to ranks
 1..N-1. Each worker builds the same model on its shard, allocates its share of the KV cache and runs every
 broadcast step; the row-parallel all-reduces and the logits all-gather inside the forward keep the ranks in
-lockstep. Workers are daemon processes started with ``spawn``; the driver stops them on ``shutdown()``, at
-interpreter exit, or when one of them fails (a dead rank is reported with its exit code and its traceback).
+lockstep. Workers are daemon processes started with ``spawn``; the driver stops them (and leaves the process
+group, so another tensor-parallel engine can start in the same process) on ``shutdown()``, when the group is
+garbage-collected (``del llm``), at interpreter exit, or when one of them fails (a dead rank is reported with its
+exit code and its traceback). Nothing global holds the group: its stop is a ``weakref.finalize``.
 """
 from __future__ import annotations
 
-import atexit
 import copy
 import logging
 import multiprocessing as mp
@@ -22,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from lqe.distributed.comm import tp_broadcast_object
-from lqe.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from lqe.distributed.parallel_state import check_group_free, destroy_tensor_parallel, init_tensor_parallel, tp_scope
 
 logger = logging.getLogger("lqe")
 
@@ -128,7 +129,7 @@ class TPWorkerGroup:
     def __init__(self, size: int, builder: RunnerBuilder) -> None:
         self.size = size
         self.procs: list[mp.Process] = []
-        self.closed = False
+        check_group_free(size)  # another tensor-parallel engine alive: say so before spawning anything
         addr, port = _rendezvous()
         init_method = f"tcp://{addr}:{port}"
         ctx = mp.get_context("spawn")
@@ -138,16 +139,25 @@ class TPWorkerGroup:
                             name=f"lqe-tp-rank{rank}")
             p.start()
             self.procs.append(p)
-        self._finalizer = weakref.finalize(self, _terminate, list(self.procs))
-        atexit.register(self.shutdown)
+        self._graceful = [True]  # shutdown(graceful=False) clears it before the stop runs
+        self._stop = weakref.finalize(self, _stop_group, self.procs, self.errors, size, self._graceful)
         with self.guard("joining the tensor-parallel group"):
             try:
-                init_tensor_parallel(0, size, init_method, builder.device, tp_timeout_s())
+                init_tensor_parallel(0, size, init_method, builder.device, tp_timeout_s(),
+                                     owner=f"an LLM with tensor_parallel_size={size}")
             except Exception as e:
                 if "bind" in str(e).lower() or "address already in use" in str(e).lower():
                     raise RuntimeError(f"tensor parallelism cannot bind its rendezvous port {addr}:{port} ({e}); "
                                        "set LQE_TP_PORT to a free port") from e
                 raise
+
+    @property
+    def closed(self) -> bool:
+        return not self._stop.alive
+
+    def scope(self):
+        """Rank 0 of ``size`` for the driver's code inside (model build, steps)."""
+        return tp_scope(0, self.size)
 
     # -- failures ---------------------------------------------------------------------------------------
     def dead_ranks(self) -> list[tuple[int, int | None]]:
@@ -206,27 +216,37 @@ class TPWorkerGroup:
 
     # -- steps ------------------------------------------------------------------------------------------
     def execute(self, runner, sched, sampling):
-        with self.guard("running a model step"):
+        with self.guard("running a model step"), self.scope():
             tp_broadcast_object((_EXECUTE, strip_step(sched)))
             return runner.execute(sched, sampling)
 
     def shutdown(self, graceful: bool = True) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        atexit.unregister(self.shutdown)
-        if graceful and not self.dead_ranks():
-            try:
-                tp_broadcast_object((_STOP,))
-            except Exception:
-                pass
-            for p in self.procs:
-                p.join(timeout=10)
-        _terminate(self.procs)
+        """Stop every worker and leave the process group; idempotent."""
+        if not graceful:
+            self._graceful[0] = False
+        self._stop()
+
+
+def _stop_group(procs: list, errors: Any, size: int, graceful: list[bool]) -> None:
+    """The group's stop (its ``weakref.finalize``: runs once, from ``shutdown()``, garbage collection or exit)."""
+    if graceful[0] and all(p.is_alive() for p in procs):
         try:
-            destroy_tensor_parallel()
+            with tp_scope(0, size):
+                tp_broadcast_object((_STOP,))
         except Exception:
             pass
+        for p in procs:
+            p.join(timeout=10)
+    _terminate(procs)
+    try:
+        destroy_tensor_parallel()
+    except Exception:
+        pass
+    try:
+        errors.close()
+        errors.join_thread()
+    except Exception:
+        pass
 
 
 def _terminate(procs: list) -> None:

@@ -1,9 +1,11 @@
 """LLMEngine: requests in, incremental outputs out, one ``step()`` at a time."""
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -54,6 +56,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         t0 = time.perf_counter()
         self.config = config
+        self._closed = False
         self.model_dir = resolve_model(config.model, config.revision)
         raw = read_config_json(self.model_dir)
         self.model_config = cfg = parse_model_config(raw)
@@ -74,15 +77,17 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:
             self._start_tensor_parallel()
         try:
-            self.runner = ModelRunner(config, self.model_dir, cfg, self.quant_config, self.device, self.dtype)
-            self.runner.allocate_kv_cache(self.max_model_len)
+            with self._tp_scope():
+                self.runner = ModelRunner(config, self.model_dir, cfg, self.quant_config, self.device, self.dtype)
+                self.runner.allocate_kv_cache(self.max_model_len)
         except BaseException as e:
             if self.tp is not None:
                 err = self.tp.fail("loading the model", e)
                 if err is not e:
                     raise err from e
             raise
-        self.runner.capture_cuda_graphs()
+        with self._tp_scope():
+            self.runner.capture_cuda_graphs()
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, _Request] = {}
@@ -109,10 +114,41 @@ class LLMEngine:
                                 self.dtype, self.max_model_len)
         self.tp = TPWorkerGroup(self.config.tensor_parallel_size, builder)
 
+    def _tp_scope(self):
+        """This engine's tensor-parallel rank and size for the code inside (see lqe.distributed.parallel_state)."""
+        return self.tp.scope() if self.tp is not None else nullcontext()
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this engine was shut down (shutdown() was called, or its `with` block ended); "
+                               "create a new LLM to generate again")
+
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do with one rank); also runs at interpreter exit."""
+        """Release everything the engine holds; idempotent, and later requests get a clear error.
+
+        Stops the tensor-parallel workers and leaves the process group (so another tensor-parallel engine can start
+        in this process), then drops the model weights, the KV cache, the CUDA graphs and the pinned step buffers
+        (all owned by the model runner); on a GPU the freed memory goes back to the device. ``del llm`` followed by
+        garbage collection releases the same things without this call (the workers' stop is a finalizer)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.requests.clear()
         if self.tp is not None:
             self.tp.shutdown()
+        on_cuda = self.device.type == "cuda" and torch.cuda.is_available()
+        if on_cuda:
+            torch.cuda.synchronize(self.device)  # nothing in flight still reads what is freed below
+        self.runner = None
+        self.structured = None
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        gc.collect()  # cycles inside the model (hooks, fused-layer links) hold weights until collected
+        if on_cuda:
+            torch.cuda.empty_cache()
 
     def quant_description(self) -> str:
         kinds: dict[str, int] = {}
@@ -126,6 +162,7 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
+        self._check_open()
         params = params or self.default_sampling_params()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -187,6 +224,7 @@ class LLMEngine:
 
     # -- the loop -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._check_open()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -345,5 +383,6 @@ def _load_tokenizer(path: str, trust_remote_code: bool):
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        logger.warning("no tokenizer loaded from %s (%s); prompts must be token ids", path, e)
+        # str(e): a log record holding the exception would keep its traceback (and this engine) alive
+        logger.warning("no tokenizer loaded from %s (%s); prompts must be token ids", path, str(e))
         return None

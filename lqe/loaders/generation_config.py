@@ -25,14 +25,14 @@ def read_generation_defaults(model_dir: str) -> dict:
         with open(path, encoding="utf-8") as f:
             gen = json.load(f)
     except (OSError, ValueError) as e:
-        logger.warning("ignoring %s: %s", path, e)
+        logger.warning("ignoring %s: %s", path, str(e))
         return {}
     out = {dst: gen[src] for src, dst in _GENERATION_FIELDS.items() if gen.get(src) is not None}
     for key, value in list(out.items()):
         try:
             SamplingParams(**{key: value})
         except (TypeError, ValueError) as e:
-            logger.warning("generation_config.json: ignoring %s=%r (%s)", key, value, e)
+            logger.warning("generation_config.json: ignoring %s=%r (%s)", key, value, str(e))
             del out[key]
     if out:
         logger.info("default sampling params from generation_config.json: %s (pass SamplingParams to override)",

@@ -1,0 +1,51 @@
+"""GPU: ``shutdown()`` and ``del llm`` give the engine's memory back (weights, KV cache, CUDA graphs): what the
+caching allocator holds afterwards is within 64 MiB of what it held before the LLM was created, and a second LLM
+in the same process gives the first one's tokens (issue 28)."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+from helpers import build_tiny_model  # noqa: E402
+
+SLACK = 64 << 20
+ENGINE = dict(device="cuda", dtype="bfloat16", max_model_len=256, num_kv_blocks=4096, block_size=16, max_cudagraph_batch=16)
+PROMPTS = [[1, 520, 3100, 28, 9874, 41, 1023], [1, 5, 6, 7]]
+
+
+def _held() -> tuple[int, int]:
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+
+
+@pytest.mark.parametrize("how", ["shutdown", "with", "del"])
+def test_memory_goes_back(how, tmp_path):
+    from lqe import LLM, SamplingParams
+
+    d = build_tiny_model(str(tmp_path / "m"), "llama", tokenizer=False, hidden_size=1024, intermediate_size=2816,
+                         num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
+    gc.collect()
+    torch.cuda.empty_cache()
+    alloc0, _ = _held()
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = LLM(d, **ENGINE)
+    assert torch.cuda.memory_allocated() - alloc0 > 8 * SLACK, "the model and KV cache (about 600 MiB) must dwarf the slack"
+    first = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+    if how == "shutdown":
+        llm.shutdown()
+    elif how == "with":
+        with llm:
+            pass
+    else:
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    alloc1, reserved1 = _held()
+    assert alloc1 - alloc0 <= SLACK, f"{(alloc1 - alloc0) / 2**20:.0f} MiB still allocated after {how}"
+    assert reserved1 - alloc0 <= SLACK, f"{(reserved1 - alloc0) / 2**20:.0f} MiB still reserved after {how}"
+    with LLM(d, **ENGINE) as again:
+        assert [o.outputs[0].token_ids for o in again.generate(PROMPTS, sp, use_tqdm=False)] == first
