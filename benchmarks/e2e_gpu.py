@@ -59,7 +59,9 @@ SHAPES = {  # HF config fields of the real models; weights are random
                                    num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0,
                                    max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True)),
 }
-VARIANTS = {"bf16": None, "w4a16": "gptq", "w8a8": "w8a8"}  # variant -> tools.convert --format
+VARIANTS = {"bf16": None, "w4a16": "gptq", "w8a8": "w8a8", "w8a8-online": "online:int8", "fp8": "online:fp8"}  # variant -> tools.convert --format
+# ("online:<kind>": the bf16 checkpoint loaded with quantization=<kind>: per-channel weights, dynamic per-token
+# activations, quantized at load time; issue 25)
 MAX_MODEL_LEN = 2048 + 64
 SHARD_BYTES = 4 << 30
 
@@ -180,7 +182,8 @@ def host_ms_per_step(llm, sp_cls, vocab: int, rng: random.Random, steps: int = 6
 def _llm(model_dir: Path, args, eager: bool):
     from lqe import LLM
 
-    return LLM(model=str(model_dir), dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_seqs=args.max_num_seqs,
+    return LLM(model=str(model_dir), quantization=getattr(args, "quantization", None), dtype="bfloat16",
+               max_model_len=MAX_MODEL_LEN, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
                gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, enforce_eager=eager)
 
@@ -261,7 +264,7 @@ def environment() -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    ap.add_argument("--variants", default="bf16,w4a16,w8a8", help=f"comma list of {', '.join(VARIANTS)}")
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -298,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{shape}] random bf16 checkpoint at {base} ({time.perf_counter() - t0:.0f}s)", flush=True)
         for variant in variants:
             model_dir, why = base, ""
-            if VARIANTS[variant]:
+            online = (VARIANTS[variant] or "").startswith("online:")
+            args.quantization = VARIANTS[variant].removeprefix("online:") if online else None
+            if VARIANTS[variant] and not online:
                 model_dir, why = quantize(base, VARIANTS[variant], work / shape / variant)
             if model_dir is None:
                 print(f"[{shape}/{variant}] skipped: {why}", flush=True)

@@ -86,9 +86,8 @@ def sweep_configs(m: int) -> list[GemvConfig]:
                     continue
                 if use_dot and (bn < 32 or bk > 512):
                     continue
-                for nw in (2, 4, 8):
-                    for sk in (0, 1):
-                        out.append(GemvConfig(bn, bk, use_dot, sk, nw, 3))
+                for nw in (4, 8):  # split_k from the SM count (1 where N alone fills the GPU)
+                    out.append(GemvConfig(bn, bk, use_dot, 0, nw, 3))
     return out
 
 

@@ -5,6 +5,7 @@ and FP8 W8A8 through ``torch._scaled_mm`` (Hopper / Ada)."""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -295,10 +296,13 @@ def fp8_apply(xq: torch.Tensor, x_scale: torch.Tensor, wq_nk: torch.Tensor, w_sc
 
     m = xq.shape[0]
     name = pick(table or FP8_TABLE, m)
+    if not (xq.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        name = "scaled-mm"  # Triton kernels need a GPU (or the interpreter); torch._scaled_mm also runs on CPU
     if name == "triton-gemv" and m <= 16:
         from lqe.kernels import triton_gemv_w8a8 as tg
 
-        return tg.gemv_w8a8(xq, x_scale, wq_nk, w_scale, bias=bias, out_dtype=out_dtype)
+        if tg.available() is None:
+            return tg.gemv_w8a8(xq, x_scale, wq_nk, w_scale, bias=bias, out_dtype=out_dtype)
     if name == "triton-fp8":
         from lqe.kernels import triton_fp8 as tf
 

@@ -124,9 +124,13 @@ class FP8Method(LinearMethod):
             from lqe.kernels import w8a8 as kw
 
             xa = x.to(layer.params_dtype)
-            out = kw.fp8_linear(xa, layer.fp8_weight, layer.fp8_w_scale, None if bias is None else bias.to(xa.dtype),
-                                layer.fp8_in_scale)
-            return out.to(x.dtype)
+            x2 = xa.reshape(-1, xa.shape[-1]).contiguous()
+            xq, xs = (kw.fp8_quantize_per_token(x2) if layer.fp8_in_scale is None
+                      else kw.fp8_quantize_static(x2, layer.fp8_in_scale))
+            # the kernel FP8_TABLE picks for M (lqe/kernels/dispatch.py): Triton GEMV for M <= 16, else _scaled_mm
+            out = kw.fp8_apply(xq, xs, layer.fp8_weight, layer.fp8_w_scale, None if bias is None else bias.to(xa.dtype),
+                               xa.dtype)
+            return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
         n, k = layer.fp8_weight.shape
         dt = layer.params_dtype if x.dtype not in FLOAT_DTYPES else x.dtype
         step = max(self.block[0], (CHUNK_ELEMS // k) // self.block[0] * self.block[0])

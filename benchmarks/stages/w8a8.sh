@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Issue 25 (W8A8 int8 and FP8 that beat bf16): `bash benchmarks/run_gpu.sh --w8a8`. About 7 minutes on an H100:
+#   1. build the CUDA kernels (common.sh),
+#   2. the GPU tests of the W8A8 / FP8 kernels: fused quantization bit-exactness (int8 and fp8), the GEMV, the fp8
+#      GEMMs, the int8 GEMMs (~1-2 min),
+#   3. the kernel benchmark on the Llama-3-8B shapes at M = 1 16 64 256 1024: per-kernel rows, the layer rows
+#      (lqe-w8a8-layer, lqe-fp8-layer, lqe-fp8-block-layer against producer + cuBLAS bf16), the floors, and the
+#      W8A8 / FP8 tables the run implies -> $OUTDIR/kernels-$SLUG.json (~1.5 min),
+#   4. (LQE_W8A8_SWEEP=1 only: ~2 min more) the GEMV / int8 tile-config sweep at M = 1 16 on two shapes
+#      -> $OUTDIR/kernels-w8a8-sweep-$SLUG.json,
+#   5. the end-to-end rows on the llama3-8b shape, same run: bf16, w8a8-online (int8 per-channel weights, dynamic
+#      per-token activations, quantized on load: the `w8a8` scheme without a 16 GB conversion) and fp8 (dynamic,
+#      quantized on load), no eager columns -> $OUTDIR/e2e-$SLUG.json (~3 min).
+# Time limits (s): LQE_TEST_TIMEOUT (150), LQE_KERNELS_TIMEOUT (150), LQE_SWEEP_TIMEOUT (150), LQE_E2E_TIMEOUT (240).
+# LQE_SKIP="tests kernels e2e" skips steps. Exit status non-zero when any step failed.
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+rc=0
+skip() { [[ " ${LQE_SKIP:-} " == *" $1 "* ]]; }
+
+if ! skip tests; then
+  LQE_TEST_TIMEOUT=${LQE_TEST_TIMEOUT:-150} run_tests w8a8 tests/gpu/test_fused_act_quant.py \
+    tests/gpu/test_fused_act_quant_fp8.py tests/gpu/test_gemv_w8a8.py tests/gpu/test_triton_fp8_gemm.py \
+    tests/gpu/test_gemm_w8a8.py || rc=1
+fi
+
+if ! skip kernels; then
+  echo "== kernel rows (Llama-3-8B shapes, M = 1 16 64 256 1024)"
+  timeout "${LQE_KERNELS_TIMEOUT:-150}" python benchmarks/kernels.py --m 1 16 64 256 1024 \
+    --out "$OUTDIR/kernels-$SLUG.json" > "$LOGDIR/w8a8-kernels.log" 2>&1
+  krc=$?
+  grep -E "^# |^(cublas-bf16|w8a8-table\+quant|lqe-w8a8-layer|lqe-fp8-layer|lqe-fp8-block-layer|triton-gemv|triton-fp8|lqe-fp8/torch-scaled-mm) " \
+    "$LOGDIR/w8a8-kernels.log"
+  [[ $krc -eq 0 ]] || { echo "kernels: exit $krc (log: $LOGDIR/w8a8-kernels.log)"; rc=1; }
+fi
+
+if [[ "${LQE_W8A8_SWEEP:-0}" == 1 ]]; then
+  echo "== GEMV / int8 tile-config sweep"
+  timeout "${LQE_SWEEP_TIMEOUT:-150}" python benchmarks/kernels.py --w8a8-sweep --m 1 16 --shapes 4096x6144 14336x4096 \
+    --out "$OUTDIR/kernels-w8a8-sweep-$SLUG.json" > "$LOGDIR/w8a8-sweep.log" 2>&1
+  src=$?
+  grep -E "^# " "$LOGDIR/w8a8-sweep.log" | tail -20
+  [[ $src -eq 0 ]] || { echo "sweep: exit $src"; rc=1; }
+fi
+
+if ! skip e2e; then
+  echo "== e2e llama3-8b: bf16, w8a8-online, fp8"
+  timeout "${LQE_E2E_TIMEOUT:-240}" python benchmarks/e2e_gpu.py --shapes llama3-8b --variants bf16,w8a8-online,fp8 \
+    --num-requests 128 --no-eager --out-dir "$OUTDIR" > "$LOGDIR/w8a8-e2e.log" 2>&1
+  erc=$?
+  grep -E "^\[" "$LOGDIR/w8a8-e2e.log"
+  [[ $erc -eq 0 ]] || { echo "e2e: exit $erc (log: $LOGDIR/w8a8-e2e.log)"; rc=1; }
+fi
+exit $rc
