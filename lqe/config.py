@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _DEVICES = ("auto", "cpu", "cuda")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names; fp8 = fp8_e4m3
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +35,9 @@ class EngineConfig:
     revision: str | None = None
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1  # ranks (processes, one device each) the model is sharded over
+    # KV-cache storage: "auto" = the model dtype (fp8 when the checkpoint declares a kv_cache_scheme); "fp8" /
+    # "fp8_e4m3" / "fp8_e5m2" store K/V in 8 bits with per-layer scales (the checkpoint's, else the first prefill's)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -42,6 +46,9 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {', '.join(_DTYPES)}")
         if self.device not in _DEVICES:
             raise ValueError(f"device={self.device!r} is not supported; choose one of {', '.join(_DEVICES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose one of "
+                             f"{', '.join(KV_CACHE_DTYPES)} ('auto' keeps the model's dtype, 'fp8' = 'fp8_e4m3')")
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("block_size", self.block_size)

@@ -302,8 +302,9 @@ def test_serve_flags():
         model_arg(p.parse_args(["a", "--model", "b"]))
     with pytest.raises(ValueError, match="no model"):
         model_arg(p.parse_args([]))
+    assert p.parse_args(["m", "--kv-cache-dtype", "fp8_e5m2"]).kv_cache_dtype == "fp8_e5m2"
     with pytest.raises(SystemExit):
-        p.parse_args(["m", "--kv-cache-dtype", "fp8"])
+        p.parse_args(["m", "--kv-cache-dtype", "int8"])
 
 
 def test_serve_cli_builds_engine_with_flags(tiny_llama_dir, tmp_path):

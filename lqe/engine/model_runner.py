@@ -23,7 +23,7 @@ from lqe.forward_context import ForwardContext, set_forward_context
 from lqe.kernels.attention_backends import select_backend
 from lqe.kernels.attention_plan import choose_num_splits
 from lqe.layers.act_quant_fusion import link_act_quant
-from lqe.layers.attention import Attention
+from lqe.layers.attention import Attention, resolve_kv_cache_dtype
 from lqe.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from lqe.loaders.hf_config import ModelConfig
 from lqe.loaders.weights import iterate_weights, load_weights
@@ -67,6 +67,8 @@ class ModelRunner:
             if isinstance(module, Attention):
                 module.backend = backend
         self.attention_backend = backend.name
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, model_cfg.raw, dtype)  # fp8 or the model's
+        self.kv_calibrate: list[Attention] = []  # fp8 layers whose scales the first prefill computes
         # this rank's KV heads (all of them with one rank)
         self.num_kv_heads = next((m.num_kv_heads for m in self.model.modules() if isinstance(m, Attention)),
                                  model_cfg.num_key_value_heads)
@@ -90,8 +92,13 @@ class ModelRunner:
         return total
 
     def kv_bytes_per_block(self) -> int:
+        """Bytes of one block over all layers, K and V, at the cache's element size (1 for fp8)."""
         c = self.model_cfg
-        return 2 * c.num_hidden_layers * self.block_size * self.num_kv_heads * c.head_dim * self.dtype.itemsize
+        return 2 * c.num_hidden_layers * self.block_size * self.num_kv_heads * c.head_dim * self.kv_dtype.itemsize
+
+    def kv_scale_bytes(self) -> int:
+        """The fp8 cache's fixed overhead: one float32 k and v scale per layer (0 for a 16-bit cache)."""
+        return 2 * self.model_cfg.num_hidden_layers * 4 if self.kv_dtype.itemsize == 1 else 0
 
     def allocate_kv_cache(self, max_model_len: int) -> None:
         per_block = self.kv_bytes_per_block()
@@ -101,9 +108,10 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = self.config.kv_cache_memory_bytes or int(
                 total * self.config.gpu_memory_utilization - (total - free) - (1 << 30))
-            num_blocks = max(0, budget // per_block)
+            num_blocks = max(0, (budget - self.kv_scale_bytes()) // per_block)
         else:
-            num_blocks = (self.config.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES) // per_block
+            budget = self.config.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
+            num_blocks = max(0, (budget - self.kv_scale_bytes()) // per_block)
         num_blocks = tp_min_int(num_blocks)  # every rank holds the same blocks (identity with one rank)
         needed = -(-max_model_len // self.block_size)
         if num_blocks < needed:
@@ -113,8 +121,9 @@ class ModelRunner:
                 "Raise kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len.")
         c = self.model_cfg
         self.kv_cache = torch.zeros(c.num_hidden_layers, 2, num_blocks, self.block_size, self.num_kv_heads,
-                                    c.head_dim, dtype=self.dtype, device=self.device)
+                                    c.head_dim, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
+        self._setup_kv_scales()
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
         self.table_width = needed
@@ -123,6 +132,16 @@ class ModelRunner:
         seqs = self.config.max_num_seqs
         self.inputs = StepInputBuilder(self.device, self.block_size,
                                        StepLayout(tokens, seqs, needed, tokens).size)
+
+    def _setup_kv_scales(self) -> None:
+        """fp8 cache: layers without checkpoint scales get theirs from the first prefill (see :meth:`forward`)."""
+        if self.kv_dtype.itemsize != 1:
+            return
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.kv_calibrate = [m for m in layers if m.kv_scales_loaded != {"k_scale", "v_scale"}]
+        logger.info("KV cache %s: scales from the checkpoint for %d layers, from the first prefill for %d",
+                    str(self.kv_dtype).removeprefix("torch."), len(layers) - len(self.kv_calibrate),
+                    len(self.kv_calibrate))
 
     def decode_splits(self, num_seqs: int) -> int:
         """Split count of the decode attention for a step of ``num_seqs`` sequences: a function of the batch's
@@ -152,8 +171,16 @@ class ModelRunner:
         inp = self.prepare_inputs(sched)
         if self.device.type == "cuda":
             inp.meta.num_splits = self.decode_splits(inp.meta.num_seqs)
-        with set_forward_context(ForwardContext(inp.meta, self.kv_caches)):
-            hidden = self.model(inp.input_ids, inp.positions)
+        calibrate, self.kv_calibrate = self.kv_calibrate, []
+        for m in calibrate:  # eager steps only: a graph capture never sees the flag
+            m.calculate_kv_scales = True
+        try:
+            with set_forward_context(ForwardContext(inp.meta, self.kv_caches)):
+                hidden = self.model(inp.input_ids, inp.positions)
+        finally:
+            self.kv_calibrate = [m for m in calibrate if m.calculate_kv_scales]  # a step that stored nothing
+            for m in calibrate:
+                m.calculate_kv_scales = False
         return hidden, inp
 
     @torch.inference_mode()

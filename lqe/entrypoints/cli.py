@@ -41,6 +41,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=_positive_int, default=64, help="most sequences decoded together")
     p.add_argument("--kv-cache-memory-bytes", type=_positive_int, default=None,
                    help="KV-cache budget in bytes (default: 1 GiB on CPU, --gpu-memory-utilization on GPU)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="KV-cache storage; fp8 = fp8_e4m3, per-layer scales from the checkpoint or the first prefill "
+                        "(default auto: the model's dtype)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: run every step eagerly (no decode CUDA graphs)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="shard the model over N worker processes / GPUs (default 1)")
@@ -62,7 +65,8 @@ def _llm(args):
     return LLM(args.model, quantization=args.quantization, dtype=args.dtype, device=args.device,
                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                kv_cache_memory_bytes=args.kv_cache_memory_bytes, enforce_eager=args.enforce_eager,
-               max_cudagraph_batch=args.max_cudagraph_batch, tensor_parallel_size=args.tensor_parallel_size)
+               max_cudagraph_batch=args.max_cudagraph_batch, tensor_parallel_size=args.tensor_parallel_size,
+               kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _params(args):

@@ -149,9 +149,11 @@ class _EngineCollector:
 
 # -- command line ---------------------------------------------------------------------------------------------
 def _kv_cache_dtype(value: str) -> str:
-    if value != "auto":
-        raise argparse.ArgumentTypeError(f"{value!r} is not supported: lqe keeps the KV cache in the model's dtype; "
-                                         "use 'auto' (or leave the flag out)")
+    from lqe.config import KV_CACHE_DTYPES
+
+    if value not in KV_CACHE_DTYPES:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a KV-cache dtype; choose one of {', '.join(KV_CACHE_DTYPES)} "
+                                         "('auto' = the model's dtype, 'fp8' = 'fp8_e4m3')")
     return value
 
 
@@ -182,8 +184,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=int, default=None, help="KV-cache block size in tokens (default 16)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                         help="reuse the KV blocks of shared prompt prefixes (default: on)")
-    parser.add_argument("--kv-cache-dtype", type=_kv_cache_dtype, default="auto",
-                        help="only 'auto' (the model's dtype) is supported")
+    parser.add_argument("--kv-cache-dtype", type=_kv_cache_dtype, default=None,
+                        help="KV-cache storage: auto | fp8 | fp8_e4m3 | fp8_e5m2; fp8 halves the cache of a 16-bit "
+                             "model, with per-layer scales from the checkpoint or the first prefill (default auto: "
+                             "the model's dtype, fp8 when the checkpoint declares a kv_cache_scheme)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
     parser.add_argument("--revision", default=None, help="hub revision of the model (default: the latest)")
     parser.add_argument("--chat-template", default=None,
@@ -216,7 +220,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 _ENGINE_ARGS = ("quantization", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization", "tokenizer", "seed",
                 "enforce_eager", "max_cudagraph_batch", "trust_remote_code", "block_size", "enable_prefix_caching",
-                "revision", "allow_nonfinite_weights", "tensor_parallel_size")
+                "revision", "allow_nonfinite_weights", "tensor_parallel_size", "kv_cache_dtype")
 
 
 def model_arg(args: argparse.Namespace) -> str:

@@ -9,7 +9,8 @@
   the triton kernels (or the torch reference when triton is absent), so it is always correct.
 
 Importing this module never raises: a missing or broken package just means its backend is not registered.
-``LQE_ATTENTION_BACKEND`` forces one. The layer (``lqe.layers.attention.Attention``) only holds a backend
+``LQE_ATTENTION_BACKEND`` forces one. An fp8 KV cache (``kv_cache_dtype``) is read by the torch and triton
+backends with the layer's ``k_scale`` / ``v_scale`` tensors; flash_attn hands such steps to triton. The layer (``lqe.layers.attention.Attention``) only holds a backend
 object; this module never imports the layer.
 """
 from __future__ import annotations
@@ -39,25 +40,28 @@ class AttentionBackend(Protocol):
     name: str
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """``query [T, H, D]``, ``key``/``value`` ``[T, KVH, D]`` -> ``[T, H, D]``; stores K/V first."""
+                meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """``query [T, H, D]``, ``key``/``value`` ``[T, KVH, D]`` -> ``[T, H, D]``; stores K/V first (quantized
+        with ``k_scale`` / ``v_scale`` when ``kv_cache`` is fp8)."""
 
 
 class TorchAttentionBackend:
     name = "torch"
 
-    def forward(self, query, key, value, kv_cache, meta, scale):
-        ref.store_kv(key, value, kv_cache, meta.slot_mapping)
-        return ref.paged_attention_ref(query, kv_cache, meta, scale)
+    def forward(self, query, key, value, kv_cache, meta, scale, k_scale=None, v_scale=None):
+        ref.store_kv(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
+        return ref.paged_attention_ref(query, kv_cache, meta, scale, k_scale, v_scale)
 
 
 class TritonAttentionBackend:
     name = "triton"
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        _ta.store_kv(key, value, kv_cache, meta.slot_mapping)
-        return _ta.paged_attention(query, kv_cache, meta, scale)
+                meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        _ta.store_kv(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
+        return _ta.paged_attention(query, kv_cache, meta, scale, k_scale=k_scale, v_scale=v_scale)
 
 
 class _CuSeqlensK:
@@ -82,9 +86,11 @@ class FlashAttnBackend:
     name = "flash_attn"
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if meta.block_size % FLASH_ATTN_BLOCK_MULTIPLE or query.dtype not in (torch.float16, torch.bfloat16):
-            return _fallback(query, key, value, kv_cache, meta, scale)
+                meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if (meta.block_size % FLASH_ATTN_BLOCK_MULTIPLE or query.dtype not in (torch.float16, torch.bfloat16)
+                or ref.is_fp8(kv_cache.dtype)):  # FlashAttention-2 reads no fp8 cache
+            return _fallback(query, key, value, kv_cache, meta, scale, k_scale, v_scale)
         if _ta is not None:
             _ta.store_kv(key, value, kv_cache, meta.slot_mapping)
         else:
@@ -113,11 +119,10 @@ class FlashAttnBackend:
         return full
 
 
-def _fallback(query, key, value, kv_cache, meta, scale):
+def _fallback(query, key, value, kv_cache, meta, scale, k_scale=None, v_scale=None):
     if _ta is not None and query.is_cuda:
-        return TritonAttentionBackend().forward(query, key, value, kv_cache, meta, scale)
-    ref.store_kv(key, value, kv_cache, meta.slot_mapping)
-    return ref.paged_attention_ref(query, kv_cache, meta, scale)
+        return TritonAttentionBackend().forward(query, key, value, kv_cache, meta, scale, k_scale, v_scale)
+    return TorchAttentionBackend().forward(query, key, value, kv_cache, meta, scale, k_scale, v_scale)
 
 
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": TorchAttentionBackend}

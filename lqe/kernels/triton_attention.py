@@ -9,6 +9,11 @@ from the device ``seq_lens``).
 
 Prefill reads its own new K/V back from the cache (they are stored first), which keeps one code path for
 "no prefix", "prefix-cached prefix" and chunked prefill. Softmax runs in base 2 with the scale folded in.
+
+fp8 cache (``QUANT``): the store kernel writes ``x / scale`` saturated to the format's range; the attention
+kernels load fp8 tiles, widen them (exactly) to the query dtype, and apply the scales in fp32: ``k_scale``
+folds into the score scale, ``v_scale`` multiplies the output. The scales are read from device tensors, so a
+captured CUDA graph follows them. No dequantized copy of the cache is ever made.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import triton.language as tl
 
 from lqe.forward_context import AttentionMetadata
 from lqe.kernels.attention_plan import choose_num_splits
+from lqe.kernels.attention_ref import fp8_max, is_fp8
 
 _LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -27,9 +33,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # --------------------------------------------------------------------------------------------- KV store
 @triton.jit
-def _store_kv_kernel(K, V, KV, Slots, stride_kt, stride_kh, stride_vt, stride_vh, stride_kv, stride_slot,
-                     stride_ch, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _store_kv_kernel(K, V, KV, Slots, KScale, VScale, stride_kt, stride_kh, stride_vt, stride_vh, stride_kv,
+                     stride_slot, stride_ch, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(Slots + t).to(tl.int64)
     if slot < 0:
@@ -40,32 +46,51 @@ def _store_kv_kernel(K, V, KV, Slots, stride_kt, stride_kh, stride_vt, stride_vh
     k = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     dst = KV + slot * stride_slot + offs_h[:, None] * stride_ch + offs_d[None, :]
+    if QUANT:  # saturating: out-of-range values land on +-FP8_MAX, never on inf / NaN
+        k = tl.minimum(tl.maximum(k.to(tl.float32) / tl.load(KScale), -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) / tl.load(VScale), -FP8_MAX), FP8_MAX)
     tl.store(dst, k.to(KV.dtype.element_ty), mask=mask)
     tl.store(dst + stride_kv, v.to(KV.dtype.element_ty), mask=mask)
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write ``key``/``value`` ``[T, KVH, D]`` into ``kv_cache`` at ``slot_mapping`` (``-1`` = skip)."""
+def _scales(kv_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None):
+    """(QUANT, FP8_MAX, k_scale, v_scale) for a launch: unit scales for an fp8 cache given none; the cache itself
+    as a never-read placeholder pointer for a 16/32-bit one."""
+    if not is_fp8(kv_cache.dtype):
+        return False, 0.0, kv_cache, kv_cache
+    one = None
+    if k_scale is None or v_scale is None:
+        one = torch.ones(1, dtype=torch.float32, device=kv_cache.device)
+    return True, fp8_max(kv_cache.dtype), one if k_scale is None else k_scale, one if v_scale is None else v_scale
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """Write ``key``/``value`` ``[T, KVH, D]`` into ``kv_cache`` at ``slot_mapping`` (``-1`` = skip); an fp8
+    cache stores them divided by ``k_scale`` / ``v_scale`` (float32 device tensors of one element)."""
     _check_cache(kv_cache)
     t, kvh, d = key.shape
     if t == 0:
         return
     if key.stride(2) != 1 or value.stride(2) != 1:
         raise ValueError("store_kv needs key/value with a contiguous last (head_dim) dimension")
+    quant, fmax, ks, vs = _scales(kv_cache, k_scale, v_scale)
     _store_kv_kernel[(t,)](
-        key, value, kv_cache, slot_mapping, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key, value, kv_cache, slot_mapping, ks, vs, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
         NUM_KV_HEADS=kvh, HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(kvh), BLOCK_D=triton.next_power_of_2(d),
+        QUANT=quant, FP8_MAX=fmax,
     )
 
 
 # --------------------------------------------------------------------------------------------- prefill
 @triton.jit
-def _prefill_kernel(Q, KV, Out, BlockTables, QueryStart, SeqLens, scale_log2,
+def _prefill_kernel(Q, KV, Out, BlockTables, QueryStart, SeqLens, KScale, VScale, scale_log2,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_kv, stride_blk, stride_slot, stride_ch,
                     stride_bt, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    SKIP_DECODE: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+                    SKIP_DECODE: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+                    QUANT: tl.constexpr):
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -90,6 +115,9 @@ def _prefill_kernel(Q, KV, Out, BlockTables, QueryStart, SeqLens, scale_log2,
     if DOT_F32:
         q = q.to(tl.float32)
     q_pos = ctx_len + offs_m
+    qk_scale = scale_log2
+    if QUANT:  # dequantization folded into the scores (k_scale) and the output (v_scale), in fp32
+        qk_scale = scale_log2 * tl.load(KScale)
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite, so fully masked rows never give inf - inf
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -110,7 +138,7 @@ def _prefill_kernel(Q, KV, Out, BlockTables, QueryStart, SeqLens, scale_log2,
         else:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
@@ -119,17 +147,19 @@ def _prefill_kernel(Q, KV, Out, BlockTables, QueryStart, SeqLens, scale_log2,
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if QUANT:
+        acc = acc * tl.load(VScale)
     tl.store(Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              acc.to(Out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
 # --------------------------------------------------------------------------------------------- decode
 @triton.jit
-def _decode_kernel(Q, KV, Out, PartOut, PartLse, BlockTables, QueryStart, SeqLens, scale_log2,
+def _decode_kernel(Q, KV, Out, PartOut, PartLse, BlockTables, QueryStart, SeqLens, KScale, VScale, scale_log2,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_kv, stride_blk, stride_slot, stride_ch,
                    stride_bt, stride_pb, stride_ph, stride_ps, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr):
     """One program per (sequence, KV head, split): all ``GROUP`` query heads of a KV head share its loads."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -152,6 +182,9 @@ def _decode_kernel(Q, KV, Out, PartOut, PartLse, BlockTables, QueryStart, SeqLen
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
+    qk_scale = scale_log2
+    if QUANT:  # dequantization folded into the scores (k_scale) and the output (v_scale), in fp32
+        qk_scale = scale_log2 * tl.load(KScale)
 
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -171,7 +204,7 @@ def _decode_kernel(Q, KV, Out, PartOut, PartLse, BlockTables, QueryStart, SeqLen
         else:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
@@ -180,6 +213,8 @@ def _decode_kernel(Q, KV, Out, PartOut, PartLse, BlockTables, QueryStart, SeqLen
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if QUANT:
+        out = out * tl.load(VScale)
     if NUM_SPLITS == 1:
         tl.store(Out + q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
@@ -242,8 +277,10 @@ def _has_decode_rows(meta: AttentionMetadata) -> bool:
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
-    """Causal attention of ``query [T, H, D]`` over the paged cache (K/V of this step already stored)."""
+                    out: torch.Tensor | None = None, num_splits: int | None = None,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of ``query [T, H, D]`` over the paged cache (K/V of this step already stored); an fp8
+    cache is read through ``k_scale`` / ``v_scale``."""
     _check_cache(kv_cache)
     t, num_heads, head_dim = query.shape
     num_kv_heads, page = kv_cache.shape[3], kv_cache.shape[2]
@@ -262,6 +299,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     scale_log2 = float(scale) * _LOG2E
     precision = "ieee" if query.dtype == torch.float32 else None  # fp32 tests want exact fp32, not tf32
     kv_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
+    quant, _, ks, vs = _scales(kv_cache, k_scale, v_scale)
     decode_only = meta.max_query_len == 1
     has_decode = decode_only or _has_decode_rows(meta)
 
@@ -269,11 +307,11 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         block_m, block_n, warps = _blocks(head_dim)
         grid = (triton.cdiv(meta.max_query_len, block_m), b, num_heads)
         _prefill_kernel[grid](
-            query, kv_cache, out, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale_log2,
+            query, kv_cache, out, meta.block_tables, meta.query_start_loc, meta.seq_lens, ks, vs, scale_log2,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1), *kv_strides,
             meta.block_tables.stride(0), GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=block_m,
             BLOCK_N=block_n, BLOCK_D=block_d, SKIP_DECODE=has_decode, DOT_F32=dot_f32, PRECISION=precision,
-            num_warps=warps, num_stages=2,
+            QUANT=quant, num_warps=warps, num_stages=2,
         )
     if not has_decode:
         return out
@@ -289,11 +327,11 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         part_out = part_lse = out  # unused
     p_strides = (num_heads * splits * block_d, splits * block_d, block_d)
     _decode_kernel[(b, num_kv_heads, splits)](
-        query, kv_cache, out, part_out, part_lse, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+        query, kv_cache, out, part_out, part_lse, meta.block_tables, meta.query_start_loc, meta.seq_lens, ks, vs,
         scale_log2, query.stride(0), query.stride(1), out.stride(0), out.stride(1), *kv_strides,
         meta.block_tables.stride(0), *p_strides, GROUP=group, HEAD_DIM=head_dim, PAGE=page,
         NUM_SPLITS=splits, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, DOT_F32=dot_f32, PRECISION=precision,
-        num_warps=4, num_stages=2,
+        QUANT=quant, num_warps=4, num_stages=2,
     )
     if splits > 1:
         _decode_reduce_kernel[(b, num_heads)](

@@ -16,6 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from lqe.layers.attention import Attention, kv_scale_targets, load_kv_scale
 from lqe.layers.embedding import VocabEmbedding
 from lqe.layers.linear import LinearBase, copy_checked
 
@@ -77,11 +78,19 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
             for pname, _ in module.named_parameters(recurse=False):
                 owners[f"{mod_name}.{pname}"] = (module, pname)
     embeddings = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, VocabEmbedding)}
+    attentions = {n: m for n, m in model.named_modules() if isinstance(m, Attention)}  # KV-cache scales
     mapping = getattr(model, "stacked_params_mapping", [])
     loaded: set[str] = set()
     unexpected: list[str] = []
     for name, tensor in weights:
         if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        kv_targets = kv_scale_targets(name)
+        if kv_targets is not None and all(t.rsplit(".", 1)[0] in attentions for t in kv_targets):
+            value = tensor if isinstance(tensor, torch.Tensor) else tensor.materialize()
+            for t in kv_targets:
+                mod, buf = t.rsplit(".", 1)
+                load_kv_scale(attentions[mod], buf, name, value)
             continue
         target, shard = name, None
         for fused, single, shard_id in mapping:

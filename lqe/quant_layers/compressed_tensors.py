@@ -62,7 +62,7 @@ class CompressedTensorsConfig(QuantConfig):
             raise ValueError(f"compressed-tensors sparsity format {sparsity.get('format')!r} is not supported")
         top = str(cfg["format"]).lower() if cfg.get("format") else None
         groups = cfg.get("config_groups") or {}
-        if not groups:
+        if not groups and not cfg.get("kv_cache_scheme"):  # a KV-cache-only checkpoint has no groups
             raise ValueError("compressed-tensors quantization_config has no config_groups")
         schemes = []
         for gname, g in groups.items():
