@@ -94,6 +94,9 @@ def candidates(k: int, n: int):
         for name, path in [("lqe-w4a16", "auto"), ("lqe-w4a16-fused", "fused"), ("lqe-w4a16-dequant", "dequant")]:
             out[name] = ((lambda path: lambda x: (lambda p=cycler(p4): lambda: lk.wna16_gemm(x, p(), path=path))())(path), w4bytes)
         add_wna16_candidates(out, k, n, p4, w4bytes)
+        from kernels_w4a16 import add_mma_rows  # lqe-w4a16-mma candidate rows (issue 24)
+
+        add_mma_rows(out, k, n, rotating, cycler)
 
         def make_w8():
             wq = torch.randint(-127, 128, (k, n), dtype=torch.int8, device=dev)
@@ -366,6 +369,9 @@ def main(argv=None) -> int:
                     help="only time every triton-w8a8 tile config (and int-mm+epilogue, lqe-w8a8) per shape and M")
     ap.add_argument("--wna16-sweep", action="store_true",
                     help="only time every triton-wna16 config (and the CUDA GEMM, dequant+cuBLAS) per shape and M")
+    ap.add_argument("--w4a16", action="store_true",
+                    help="only the W4A16 rows (lqe-w4a16-mma, layer path, int4pack, triton, dequant+cuBLAS, cuBLAS "
+                         "bf16; benchmarks/kernels_w4a16.py) and the WNA16_MMA_TABLE they imply")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py: no CUDA device (torch.cuda.is_available() is False); nothing to measure.")
@@ -384,6 +390,11 @@ def main(argv=None) -> int:
         args.shapes = []
     if args.wna16_sweep:
         rows += wna16_sweep(args.shapes, args.m)
+        args.shapes = []
+    if args.w4a16:
+        from kernels_w4a16 import w4a16_sweep
+
+        rows += w4a16_sweep(args.shapes, args.m, copy_gbps, bench, rotating, cycler, kw8.floor_us, gpu)
         args.shapes = []
     hdr = (f"{'kernel':26s} {'KxN':>11s} {'M':>5s} {'us':>9s} {'TFLOP/s':>8s} {'GB/s':>7s} {'%copy':>6s} {'vs cuBLAS':>9s}"
            f"  | model: producer+layer us (vs bf16), fused producer->int8 us (vs bf16)")
@@ -429,11 +440,11 @@ def main(argv=None) -> int:
                       + f"  floor {row['floor_us']:.2f} us")
         del cands
         torch.cuda.empty_cache()
-    implied = kw8.print_implied_tables(rows) if not (args.w8a8_sweep or args.wna16_sweep) else {}
+    implied = kw8.print_implied_tables(rows) if not (args.w8a8_sweep or args.wna16_sweep or args.w4a16) else {}
     tag = "".join(c if c.isalnum() else "-" for c in gpu).strip("-").lower()
     path = Path(args.out) if args.out else (Path(os.environ["OUT"]) if os.environ.get("OUT") else
                                             Path(__file__).parent / "results") / \
-        f"kernels{'-w8a8-sweep' if args.w8a8_sweep else ''}{'-wna16-sweep' if args.wna16_sweep else ''}-{tag}.json"
+        f"kernels{'-w8a8-sweep' if args.w8a8_sweep else ''}{'-wna16-sweep' if args.wna16_sweep else ''}{'-w4a16' if args.w4a16 else ''}-{tag}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"device": gpu, "env": env, "copy_gbps": round(copy_gbps, 1), "rows": rows,
                                 "implied_tables": implied}, indent=1))

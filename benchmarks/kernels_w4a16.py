@@ -1,0 +1,134 @@
+"""W4A16 rows of benchmarks/kernels.py (issue 24): lqe-w4a16-mma (csrc/gemm/w4a16_mma.cu) and its dequantize +
+cuBLAS beside the layer path ``lqe-w4a16`` (today's dispatch.WNA16_TABLE), torch int4pack, triton-wna16, the
+CUDA dequantize + cuBLAS and cuBLAS bf16, on the Llama-3-8B shapes, g128 weights rotated past the L2. Every row
+carries its bytes floor (d2d copy bandwidth); the run prints the geo-mean speed-up over cuBLAS bf16 per M and
+the ``WNA16_MMA_TABLE`` its measurement implies (paste into lqe/kernels/dispatch.py with the JSON's name).
+
+    python benchmarks/kernels.py --w4a16 [--m 1 16 256] [--shapes 4096x4096] [--out results.json]
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+MMA_ROWS = ("lqe-w4a16-mma", "lqe-w4a16-mma-dequant+cublas")
+
+
+def _canonical(k: int, n: int, dev: str):
+    from lqe.kernels.canonical import CanonicalWeight
+
+    return CanonicalWeight(torch.randint(0, 16, (k, n), dtype=torch.uint8, device=dev),
+                           (torch.rand(k // 128, n, device=dev) * 0.01 + 1e-3).half().float(), None, None, 4, 128)
+
+
+def add_mma_rows(out: dict, k: int, n: int, rotating, cycler) -> None:
+    """``lqe-w4a16-mma`` and ``lqe-w4a16-mma-dequant+cublas`` on their own (mma-layout) packed weights."""
+    import lqe.kernels as lk
+    from lqe.kernels import gemm_mma, repack_mma
+
+    if not lk.available():
+        return
+
+    def make():
+        p = repack_mma.repack_mma(_canonical(k, n, "cuda"), torch.bfloat16)
+        gemm_mma.reserve_workspace("cuda", p.n_pad)
+        return p
+
+    wbytes = k * n // 2 + (k // 128) * n * 2
+    pm = rotating(make, wbytes)
+    for name in MMA_ROWS:
+        out[name] = ((lambda name: lambda x: (lambda p=cycler(pm): lambda: lk.wna16_gemm(x, p(), path=name))())(name),
+                     wbytes)
+
+
+def w4a16_candidates(k: int, n: int, rotating, cycler) -> dict:
+    """Only the W4A16 comparison set: ``name -> (setup(x) -> fn, weight_bytes)``."""
+    import lqe.kernels as lk
+    from kernels import add_wna16_candidates
+
+    dev, out = "cuda", {}
+    wb16 = k * n * 2
+    ws = rotating(lambda: torch.randn(k, n, device=dev, dtype=torch.bfloat16) * 0.02, wb16)
+    out["cublas-bf16"] = (lambda x: (lambda w=cycler(ws): lambda: torch.matmul(x, w()))(), wb16)
+    if lk.available():
+        w4bytes = k * n // 2 + (k // 128) * n * 2
+        p4 = rotating(lambda: lk.select_w4a16_kernel(_canonical(k, n, dev), dev, torch.bfloat16)[0].packed, w4bytes)
+        for name, path in [("lqe-w4a16", "auto"), ("lqe-w4a16-dequant", "dequant")]:
+            out[name] = ((lambda path: lambda x: (lambda p=cycler(p4): lambda: lk.wna16_gemm(x, p(), path=path))())(path),
+                         w4bytes)
+        add_wna16_candidates(out, k, n, p4, w4bytes)
+        out.pop("triton-dequant+cublas", None)  # the dequantize + cuBLAS row is lqe-w4a16-dequant
+        add_mma_rows(out, k, n, rotating, cycler)
+    else:
+        print(f"# lqe kernels unavailable: {lk.unavailable_reason()}")
+    try:
+        def make_i4():
+            wi = torch.randint(0, 16, (n, k), dtype=torch.int32, device=dev)
+            packed = torch._convert_weight_to_int4pack((wi[:, ::2] << 4 | wi[:, 1::2]).to(torch.uint8), 8)
+            sz = torch.stack([torch.rand(k // 128, n, device=dev), torch.zeros(k // 128, n, device=dev)], -1)
+            return packed, sz.to(torch.bfloat16).contiguous()
+        i4 = rotating(make_i4, k * n // 2)
+        out["torch-int4pack"] = (lambda x: (lambda c=cycler(i4): lambda: (lambda t: torch._weight_int4pack_mm(
+            x, t[0], 128, t[1]))(c()))(), k * n // 2)
+    except Exception as e:  # noqa: BLE001
+        print(f"# torch-int4pack skipped: {type(e).__name__}: {str(e)[:120]}")
+    return out
+
+
+def implied_mma_table(by_m: dict[int, dict[str, list[float]]], num_shapes: int) -> list[tuple[int | None, str]]:
+    """Per M, the faster (geo-mean over shapes) of the mma GEMM and its dequantize + cuBLAS; runs merged."""
+    rows: list[tuple[int | None, str]] = []
+    ms = sorted(by_m)
+    for i, m in enumerate(ms):
+        gm = {nm: math.exp(sum(map(math.log, v)) / len(v)) for nm, v in by_m[m].items()
+              if nm in MMA_ROWS and len(v) == num_shapes}
+        if not gm:
+            continue
+        best = max(gm, key=gm.get)
+        if rows and rows[-1][1] == best:
+            rows[-1] = (m, best)
+        else:
+            rows.append((m, best))
+    if rows:
+        rows[-1] = (None, rows[-1][1])
+    return rows
+
+
+def w4a16_sweep(shapes: list[str], ms: list[int], copy_gbps: float, bench, rotating, cycler, floor_us,
+                gpu: str) -> list[dict]:
+    rows: list[dict] = []
+    by_m: dict[int, dict[str, list[float]]] = {}
+    for shape in shapes:
+        k, n = map(int, shape.split("x"))
+        cands = w4a16_candidates(k, n, rotating, cycler)
+        print(f"# W4A16 {shape}")
+        print(f"{'kernel':30s} {'M':>5s} {'us':>9s} {'floor us':>9s} {'GB/s':>7s} {'vs cuBLAS':>9s}")
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            base = None
+            for name, (setup, wbytes) in cands.items():
+                try:
+                    us = bench(setup(x))
+                except Exception as e:  # noqa: BLE001
+                    print(f"# {name} {shape} M={m} failed: {type(e).__name__}: {str(e)[:160]}")
+                    continue
+                if name == "cublas-bf16":
+                    base = us
+                fl = floor_us(name, m, n, k, copy_gbps, gpu)
+                sp = round(base / us, 3) if base else None
+                gbps = (wbytes + m * k * 2 + m * n * 2) / (us * 1e-6) / 1e9
+                rows.append({"kernel": name, "shape": shape, "m": m, "us": round(us, 2), "floor_us": round(fl, 2),
+                             "gbps": round(gbps, 1), "speedup_vs_cublas": sp})
+                if sp:
+                    by_m.setdefault(m, {}).setdefault(name, []).append(sp)
+                print(f"{name:30s} {m:5d} {us:9.2f} {fl:9.2f} {gbps:7.0f} {sp if sp else '':>9}")
+    print("# W4A16: geometric-mean speed-up over cuBLAS bf16 across shapes")
+    for m, d in sorted(by_m.items()):
+        gm = sorted(((math.exp(sum(map(math.log, v)) / len(v)), nm) for nm, v in d.items() if len(v) == len(shapes)),
+                    reverse=True)
+        print(f"#   M={m:5d}: " + ", ".join(f"{nm} {g:.2f}x" for g, nm in gm))
+    table = implied_mma_table(by_m, len(shapes))
+    print(f"# implied dispatch.WNA16_MMA_TABLE ({gpu}): {table}")
+    rows.append({"kernel": "implied-wna16-mma-table", "table": [list(r) for r in table]})
+    return rows

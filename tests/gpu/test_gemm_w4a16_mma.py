@@ -1,0 +1,154 @@
+"""GPU: lqe-w4a16-mma (csrc/gemm/w4a16_mma.cu) against its CPU emulation (lqe/kernels/mma_ref.py) and the
+canonical dequantization, for every W4/W8 format and group size, fp16/bf16, M across the 16/32/64-row tiles and
+the 64-row problem split, odd K/N (padding), every stripe count, and CUDA-graph replay."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+from lqe.kernels import gemm, mma_ref, repack_mma  # noqa: E402
+from lqe.kernels.canonical import CanonicalWeight  # noqa: E402
+
+MS = [1, 7, 16, 33, 64, 65, 257]
+DTYPES = [torch.float16, torch.bfloat16]
+# (format label, bits, group size, asym, act-order): GPTQ sym / asym (v1 and v2 decode alike), act-order, AWQ
+# (asym, no act-order), compressed-tensors (sym / asym) all arrive as these CanonicalWeight kinds.
+KINDS = [("gptq-sym", 4, 128, False, False), ("gptq-asym", 4, 128, True, False), ("gptq-act-order", 4, 128, False, True),
+         ("gptq-asym-act-order", 4, 32, True, True), ("awq", 4, 64, True, False), ("ct-channel", 4, -1, False, False),
+         ("w8-sym", 8, 128, False, False), ("w8-asym-act-order", 8, 64, True, True), ("w8-channel", 8, -1, True, False)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if not gemm.available():
+        pytest.fail(f"lqe CUDA kernels did not build: {gemm.unavailable_reason()}")
+
+
+def canonical(k, n, bits, gs, asym, act_order, seed):
+    g = torch.Generator().manual_seed(seed)
+    gsz = k if gs == -1 else gs
+    ng = -(-k // gsz)
+    codes = torch.randint(0, 2**bits, (k, n), dtype=torch.uint8, generator=g)
+    scales = (torch.rand(ng, n, generator=g) * (0.04 if bits == 4 else 0.003) + 0.002).half().float()
+    zeros = torch.randint(0, 2**bits, (ng, n), dtype=torch.uint8, generator=g) if asym else None
+    g_idx = (torch.randperm(k, generator=g) // gsz).to(torch.int32) if act_order else None
+    return CanonicalWeight(codes, scales, zeros, g_idx, bits, gs)
+
+
+def packed_on_gpu(cw, dtype):
+    p = repack_mma.repack_mma(cw, dtype)
+    mv = lambda t: None if t is None else t.cuda()  # noqa: E731
+    return repack_mma.PackedMMA(mv(p.qweight), mv(p.scales), mv(p.zeros), mv(p.perm), p.bits, p.group_size, p.k,
+                                p.n, p.k_pad, p.n_pad)
+
+
+def reference(x, p, bias):
+    """fp32 matmul of the emulated weights (bit-exact to the kernel's B fragments): only the accumulation order
+    differs from the kernel."""
+    w = mma_ref.dequantize_mma(p, x.dtype)[: p.k, : p.n].float().cuda()
+    xs = x if p.perm is None else x.index_select(1, p.perm)
+    y = xs.float() @ w
+    return y if bias is None else y + bias.float()
+
+
+def check(y, ref, k):
+    assert torch.isfinite(y).all()
+    err = (y.float() - ref).abs().max().item()
+    tol = 2e-2 * ref.abs().max().item() + 1e-3 * k ** 0.5
+    assert err <= tol, f"max abs err {err:.4g} > {tol:.4g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", KINDS, ids=[k[0] for k in KINDS])
+def test_dequant_kernel_is_bit_exact_to_emulation(kind, dtype):
+    _, bits, gs, asym, act_order = kind
+    cw = canonical(200, 136, bits, gs, asym, act_order, seed=bits + gs)
+    p = packed_on_gpu(cw, dtype)
+    got = gemm.wna16_dequantize(p).cpu()
+    want = mma_ref.dequantize_mma(p, dtype)[: p.k, : p.n]
+    assert torch.equal(got, want)
+    perm = p.perm.cpu() if p.perm is not None else torch.arange(p.k)
+    cw_t = CanonicalWeight(cw.codes, cw.scales.to(dtype).float(), cw.zeros, cw.g_idx, cw.bits, cw.group_size)
+    assert torch.equal(got, cw_t.dequantize(torch.float32)[perm].to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", KINDS, ids=[k[0] for k in KINDS])
+@pytest.mark.parametrize("m", MS)
+def test_gemm_matches_reference(m, kind, dtype):
+    _, bits, gs, asym, act_order = kind
+    k, n = (200, 136) if m % 2 else (1024, 768)  # odd shapes (K and N padding) and whole tiles
+    cw = canonical(k, n, bits, gs, asym, act_order, seed=m * 13 + bits)
+    p = packed_on_gpu(cw, dtype)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    bias = torch.randn(n, device="cuda", dtype=dtype) if m % 3 == 1 else None
+    y = gemm.wna16_gemm(x, p, bias, path="lqe-w4a16-mma")
+    assert y.shape == (m, n) and y.dtype == dtype
+    check(y, reference(x, p, bias), k)
+
+
+@pytest.mark.parametrize("sms", [1, 2, 5, 37, None])
+@pytest.mark.parametrize("m", [1, 48])
+def test_every_stripe_count_gives_the_same_deterministic_result(sms, m):
+    """1 block (no reduction) to many stripes per column tile (lock-ordered reduction); twice = bit-identical."""
+    k, n = 4096, 512
+    cw = canonical(k, n, 4, 128, True, False, seed=3)
+    p = packed_on_gpu(cw, torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    y1 = gemm.wna16_gemm(x, p, path="lqe-w4a16-mma", splits=sms)
+    y2 = gemm.wna16_gemm(x, p, path="lqe-w4a16-mma", splits=sms)
+    assert torch.equal(y1, y2)
+    check(y1, reference(x, p, None), k)
+
+
+def test_dequant_cublas_path_and_auto_table():
+    cw = canonical(512, 256, 4, 64, True, True, seed=9)
+    p = packed_on_gpu(cw, torch.float16)
+    x = torch.randn(300, 512, device="cuda", dtype=torch.float16)
+    ref = reference(x, p, None)
+    check(gemm.wna16_gemm(x, p, path="lqe-w4a16-mma-dequant+cublas"), ref, 512)
+    check(gemm.wna16_gemm(x, p), ref, 512)  # auto: the table resolved for the mma layout
+    assert gemm.kernel_for(1, x.device, mma_layout=True) in ("lqe-w4a16-mma", "lqe-w4a16-mma-dequant+cublas")
+
+
+@pytest.mark.parametrize("m", [1, 16, 64, 130])
+def test_cuda_graph_replay_equals_eager(m):
+    k, n = 2048, 1024
+    cw = canonical(k, n, 4, 128, False, True, seed=m)
+    p = packed_on_gpu(cw, torch.bfloat16)
+    gemm_mma_ws = __import__("lqe.kernels.gemm_mma", fromlist=["reserve_workspace"])
+    gemm_mma_ws.reserve_workspace("cuda", p.n_pad)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    eager = gemm.wna16_gemm(x, p, path="lqe-w4a16-mma").clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        gemm.wna16_gemm(x, p, out=out, path="lqe-w4a16-mma")  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gemm.wna16_gemm(x, p, out=out, path="lqe-w4a16-mma")
+    out.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, gemm.wna16_gemm(x, p, path="lqe-w4a16-mma"))
+
+
+def test_quant_layer_path_selects_mma_when_the_table_names_it(monkeypatch):
+    from lqe.quant_layers.wna16_kernels import select_w4a16_kernel
+
+    monkeypatch.setenv("LQE_WNA16_TABLE", "mma")
+    cw = canonical(1024, 512, 4, 128, True, True, seed=1)
+    module, reasons = select_w4a16_kernel(cw, "cuda", torch.float16)
+    assert "lqe-w4a16-mma" in module.describe(), (module.describe(), reasons)
+    assert isinstance(module.packed(), repack_mma.PackedMMA)
+    x = torch.randn(5, 1024, device="cuda", dtype=torch.float16)
+    y = module(x, None)
+    check(y, reference(x, module.packed(), None), 1024)
