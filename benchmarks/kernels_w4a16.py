@@ -58,7 +58,8 @@ def w4a16_candidates(k: int, n: int, rotating, cycler) -> dict:
             out[name] = ((lambda path: lambda x: (lambda p=cycler(p4): lambda: lk.wna16_gemm(x, p(), path=path))())(path),
                          w4bytes)
         add_wna16_candidates(out, k, n, p4, w4bytes)
-        out.pop("triton-dequant+cublas", None)  # the dequantize + cuBLAS row is lqe-w4a16-dequant
+        for extra in ("triton-dequant+cublas", "triton-dequant-only"):  # dequant + cuBLAS is lqe-w4a16-dequant
+            out.pop(extra, None)
         add_mma_rows(out, k, n, rotating, cycler)
     else:
         print(f"# lqe kernels unavailable: {lk.unavailable_reason()}")
