@@ -8,8 +8,9 @@ not quantized (vLLM's fallback on such GPUs is the same weight-only FP8 path).
 On a GPU where :func:`lqe.kernels.fp8_rowwise_reason` finds row-wise scaled ``torch._scaled_mm`` working (Hopper /
 Ada), checkpoints with quantized activations and per-tensor / per-channel weight scales run FP8 W8A8 through
 :func:`lqe.kernels.fp8_linear` (dynamic per-token activation scales, or the static ``input_scale``: the max over
-fused shards); block-scaled or weight-only checkpoints, and any GPU where it declines, use the dequant path, with
-the reason logged once per layer kind."""
+fused shards). Block-scaled 128 x 128 checkpoints with dynamic activations run the Triton block-scaled fp8 GEMM
+(lqe/kernels/triton_fp8.py, 1 x 128 activation groups) on FP8 GPUs; weight-only checkpoints, and any GPU where the
+kernels decline, use the dequant path, with the reason logged once per layer kind."""
 from __future__ import annotations
 
 import torch
@@ -79,6 +80,10 @@ class FP8Method(LinearMethod):
             layer.register_buffer("fp8_in_scale", layer.input_scale.data.float().max().reshape(1) if static else None)
             act = "static per-tensor" if static else "dynamic per-token"
             self.summary = f"fp8 e4m3 {gran} weights, {act} fp8 activations, torch._scaled_mm (cuda)"
+        elif cuda and self.block_kernel_reason(layer) is None:
+            # 128 x 128 weight blocks, 1 x 128 dynamic fp8 activation groups: the Triton block-scaled GEMM, every M
+            layer.register_buffer("fp8_block_scale", scale.contiguous())  # [ceil(N/128), ceil(K/128)] float32
+            self.summary = f"fp8 e4m3 {gran} weights, dynamic per-token-group (1x128) fp8 activations, triton-fp8-block (cuda)"
         else:
             layer.register_buffer("fp8_scale", scale.to(layer.params_dtype))
             where = device.type
@@ -110,6 +115,26 @@ class FP8Method(LinearMethod):
         except Exception as e:  # noqa: BLE001 -- any failure here must leave the dequant path usable
             return f"fp8 probe failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
+    def block_kernel_reason(self, layer: nn.Module) -> str | None:
+        """Why a block-scaled layer cannot run the Triton block-scaled fp8 GEMM (lqe/kernels/triton_fp8.py), or
+        ``None``; never raises."""
+        if self.s.weights.strategy != "block":
+            return "not block-scaled"
+        if self.s.input_activations is None or not self.s.input_activations.dynamic:
+            return "block-scaled fp8 needs dynamic activations for the W8A8 kernel"
+        if self.block != (128, 128):
+            return f"block {self.block[0]}x{self.block[1]} (the Triton kernel takes 128x128)"
+        n, k = layer.weight.shape
+        if k % 128:
+            return f"K={k} is not a multiple of 128"
+        try:
+            from lqe.kernels import triton_fp8
+            from lqe.kernels.w8a8 import fp8_supported
+
+            return triton_fp8.available() or fp8_supported(layer.weight.device)
+        except Exception as e:  # noqa: BLE001 -- any failure here must leave the dequant path usable
+            return f"triton-fp8 unavailable: {type(e).__name__}: {e}"
+
     def dequant_rows(self, layer: nn.Module, n0: int, n1: int, dtype: torch.dtype) -> torch.Tensor:
         w = layer.fp8_weight[n0:n1].to(dtype)
         s = layer.fp8_scale.to(dtype)
@@ -130,6 +155,13 @@ class FP8Method(LinearMethod):
             # the kernel FP8_TABLE picks for M (lqe/kernels/dispatch.py): Triton GEMV for M <= 16, else _scaled_mm
             out = kw.fp8_apply(xq, xs, layer.fp8_weight, layer.fp8_w_scale, None if bias is None else bias.to(xa.dtype),
                                xa.dtype)
+            return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+        if getattr(layer, "fp8_block_scale", None) is not None:
+            from lqe.kernels import w8a8 as kw
+
+            xa = x.to(layer.params_dtype)
+            out = kw.fp8_block_apply(xa.reshape(-1, xa.shape[-1]).contiguous(), layer.fp8_weight, layer.fp8_block_scale,
+                                     None if bias is None else bias.to(xa.dtype))
             return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
         n, k = layer.fp8_weight.shape
         dt = layer.params_dtype if x.dtype not in FLOAT_DTYPES else x.dtype
