@@ -3,6 +3,7 @@ agreement against a float reference model, and a cross-check against HF transfor
 
     python benchmarks/accuracy.py --model smollm2-135m-instruct --seq-len 1024 --max-windows 8 --hf-check
     python benchmarks/accuracy.py --model GPTQ_DIR --reference smollm2-135m-instruct --json out.json
+    python benchmarks/accuracy.py --dtype bfloat16 --kv-cache-dtype fp8_e4m3 --seq-len 1024 --max-windows 8
 
 The text (default ``../shared/data/wikitext2-test.raw``) has its lines joined with "\\n\\n", is tokenized once
 with the tokenizer's defaults and cut into consecutive non-overlapping windows of ``--seq-len`` tokens (nothing
@@ -50,6 +51,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--quantization", default=None)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="KV-cache storage (default auto: the model's dtype); fp8 scales come from the checkpoint or "
+                        "the first prefill (the first window)")
     p.add_argument("--dataset", default=None, help="any text file (default ../shared/data/wikitext2-test.raw)")
     p.add_argument("--seq-len", type=int, default=None,
                    help="window length (default min(2048, max_position_embeddings - 1): the engine generates one token)")
@@ -71,17 +75,19 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"--seq-len {seq_len} exceeds the model's limit {limit} (max_position_embeddings - 1)")
     dataset = args.dataset or DEFAULT_DATASET
     llm = LLM(model_dir, quantization=args.quantization, dtype=args.dtype, max_model_len=seq_len + 1,
-              kv_cache_memory_bytes=None if torch.cuda.is_available() else 512 << 20)
+              kv_cache_memory_bytes=None if torch.cuda.is_available() else 512 << 20, kv_cache_dtype=args.kv_cache_dtype)
     eng = llm.llm_engine
     windows = load_windows(llm.get_tokenizer(), dataset, seq_len, args.max_windows)
     t = time.perf_counter()
     r = perplexity(llm, windows)
     res = {**r.as_dict(), "seconds": time.perf_counter() - t, "model": args.model, "model_dir": model_dir,
            "quantization": eng.quant_description() or "none", "dtype": str(eng.dtype).removeprefix("torch."),
-           "device": str(eng.device), "dataset": dataset, "seq_len": seq_len, "weight_bytes": eng.runner.weight_bytes(),
+           "device": str(eng.device), "kv_cache_dtype": args.kv_cache_dtype,
+           "kv_cache_torch_dtype": str(eng.runner.kv_cache.dtype).removeprefix("torch."), "dataset": dataset, "seq_len": seq_len, "weight_bytes": eng.runner.weight_bytes(),
            "env": env_info()}
     print(f"{args.model}: ppl {r.ppl:.4f} over {r.tokens} tokens ({r.windows} windows x {seq_len}) "
-          f"[{res['quantization']}, {res['dtype']}, {res['device']}] in {res['seconds']:.1f} s")
+          f"[{res['quantization']}, {res['dtype']}, KV {res['kv_cache_torch_dtype']}, {res['device']}] "
+          f"in {res['seconds']:.1f} s")
     if args.reference:
         ref = LLM(args.reference, dtype=args.reference_dtype, max_model_len=seq_len + 1,
                   kv_cache_memory_bytes=None if torch.cuda.is_available() else 512 << 20)

@@ -90,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--offload-activations", action="store_true",
                    help="keep the calibration activations in CPU memory, each batch copied to the device for its "
                         "forward (less device memory, some transfer time)")
+    q.add_argument("--kv-cache", default="none", choices=("none", "fp8"),
+                   help="fp8: also calibrate per-layer KV-cache scales (max|k| / 448, max|v| / 448 over the calibration "
+                        "windows, through the written checkpoint) and write them as compressed-tensors' kv_cache_scheme "
+                        "+ self_attn.k_scale / v_scale (formats w8a8 and w4a16-ct); lqe and vLLM then run an fp8 KV "
+                        "cache by default")
     acc = q.add_argument_group("accuracy methods (each off by default; see the README's ablation)")
     acc.add_argument("--rotate", default="none", choices=("none", "hadamard", "orthogonal"),
                      help="rotate the residual stream, absorbed into the weights (QuaRot/SpinQuant R1): norms folded "
@@ -131,8 +136,11 @@ def _check_args(a: argparse.Namespace) -> None:
             raise ConvertError(f"--seq-len must be >= 2, got {a.seq_len}")
         if a.damp < 0:
             raise ConvertError(f"--damp must be >= 0, got {a.damp}")
-        if a.method != "rtn":
+        if a.method != "rtn" or a.kv_cache != "none":
             check_calib_arg(a.calib)
+        if a.kv_cache != "none" and a.format not in ("w8a8", "w4a16-ct"):
+            raise ConvertError(f"--kv-cache {a.kv_cache} writes compressed-tensors' kv_cache_scheme, which --format "
+                               f"{a.format} has no place for: use --format w8a8 or w4a16-ct")
         from tools.convert.streaming import resolve_device
 
         resolve_device(a.device)  # a missing GPU is an error before any model is read
@@ -174,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                                 offload_activations=a.offload_activations,
                                 rotate=None if a.rotate == "none" else a.rotate, rotate_heads=a.rotate_heads,
                                 awq_scale=a.awq_scale, refine_passes=a.refine_passes, tune_iters=a.tune_iters,
-                                tune_lr=a.tune_lr, tune_seqs=a.tune_seqs, tune_rounding=a.tune_rounding)
+                                tune_lr=a.tune_lr, tune_seqs=a.tune_seqs, tune_rounding=a.tune_rounding,
+                                kv_cache=None if a.kv_cache == "none" else a.kv_cache)
             r, res = quantize_checkpoint(a.model, a.out, a.method, spec, opts, a.overwrite)
             print(f"{a.method}: quantized {len(r.layers)} layers in {res.seconds:.1f} s -> {r.out_dir} ({', '.join(r.files)})")
         else:

@@ -50,6 +50,7 @@ class CalibOptions:
     rotate_heads: bool = False  # with rotate: also a per-head rotation between v_proj and o_proj (SpinQuant R2)
     awq_scale: bool = False  # GPTQ: fold AWQ's searched per-channel scales into each layer before GPTQ quantizes it
     offload_activations: bool = False  # keep the calibration activations in CPU memory between layer runs
+    kv_cache: str | None = None  # "fp8": also calibrate and write KV-cache scales (tools.convert.kv_cache)
 
 
 @dataclass(slots=True)
@@ -291,4 +292,10 @@ def quantize_checkpoint(model_dir: str, out_dir: str, method: str, spec: ExportS
     report = write_checkpoint(model_dir, out_dir, sd, result.canon, spec, overwrite, src_dtype=reader.float_dtype(),
                               config_updates=result.config_updates)
     logger.info("%s calibration took %.1f s", method, result.seconds)
+    if opts.kv_cache:
+        from tools.convert.kv_cache import add_kv_cache_scales
+
+        kv_ids = ids if ids is not None else calibration_ids(model_dir, opts.calib, opts.num_samples, opts.seq_len,
+                                                             opts.seed)
+        result.notes["kv_cache_scales"] = len(add_kv_cache_scales(out_dir, kv_ids, dev.type)) // 2
     return report, result
