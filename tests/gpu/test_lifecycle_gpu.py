@@ -4,6 +4,7 @@ in the same process gives the first one's tokens (issue 28)."""
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
@@ -15,6 +16,17 @@ from helpers import build_tiny_model  # noqa: E402
 SLACK = 64 << 20
 ENGINE = dict(device="cuda", dtype="bfloat16", max_model_len=256, num_kv_blocks=4096, block_size=16, max_cudagraph_batch=16)
 PROMPTS = [[1, 520, 3100, 28, 9874, 41, 1023], [1, 5, 6, 7]]
+SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
+
+
+def build_checkpoints(root: str, names: list[str] | None = None) -> dict[str, str]:
+    """The one float checkpoint these tests load (fp32 safetensors, no tokenizer)."""
+    return {"m": build_tiny_model(os.path.join(root, "m"), "llama", tokenizer=False, **SHAPE)} if not names or "m" in names else {}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return build_checkpoints(str(tmp_path_factory.mktemp("lifecycle-gpu")))["m"]
 
 
 def _held() -> tuple[int, int]:
@@ -23,11 +35,10 @@ def _held() -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("how", ["shutdown", "with", "del"])
-def test_memory_goes_back(how, tmp_path):
+def test_memory_goes_back(how, model_dir):
     from lqe import LLM, SamplingParams
 
-    d = build_tiny_model(str(tmp_path / "m"), "llama", tokenizer=False, hidden_size=1024, intermediate_size=2816,
-                         num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
+    d = model_dir
     gc.collect()
     torch.cuda.empty_cache()
     alloc0, _ = _held()
