@@ -9,8 +9,8 @@ in earlier steps (or found in the prefix cache). Token ``j`` of the step writes 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -44,6 +44,8 @@ class ForwardContext:
     attn_metadata: AttentionMetadata
     # one tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
     kv_caches: list[torch.Tensor]
+    # values every layer of the step shares (built by the first layer that needs them): see step_cached
+    cache: dict = field(default_factory=dict)
 
 
 _CONTEXT: ForwardContext | None = None
@@ -53,6 +55,18 @@ def get_forward_context() -> ForwardContext:
     if _CONTEXT is None:
         raise RuntimeError("no forward context: the model must be called inside set_forward_context(...)")
     return _CONTEXT
+
+
+def step_cached(key: Any, build: Callable[[], Any]) -> Any:
+    """``build()`` once per step: the first layer that asks builds it, the others reuse it (per-step metadata
+    such as the rotary cos/sin gathered at the step's positions). Outside a forward context, ``build()``."""
+    ctx = _CONTEXT
+    if ctx is None:
+        return build()
+    value = ctx.cache.get(key)
+    if value is None:
+        value = ctx.cache[key] = build()
+    return value
 
 
 @contextmanager

@@ -81,6 +81,9 @@ class ModelRunner:
         # host-time accounting (benchmarks): when on, each step waits for the GPU before sampling and counts it
         self.measure_gpu_wait = False
         self.gpu_wait_s = 0.0
+        self.host_syncs = 0  # device-to-host syncs (to_host calls): one per sampling step
+        self._pinned: torch.Tensor | None = None  # to_host's staging buffer
+        self._copied: torch.cuda.Event | None = None
 
     # -- memory ---------------------------------------------------------------------------------------
     def weight_bytes(self) -> int:
@@ -199,19 +202,35 @@ class ModelRunner:
         return StepResult(sampled, self._prompt_logprobs(sched, hidden, inp.meta.query_start_loc_cpu))
 
     def _sample(self, logits: torch.Tensor, sched: SchedulerOutput, sampling: SamplingBatch) -> SamplerOutput:
-        """Sample, then fail the requests whose logits were NaN / inf. The finiteness test is queued before the
-        sampler and read after the sampler's own device-to-host copy, so it adds no wait for the GPU."""
-        self._wait_for_gpu()
+        """Sample, then fail the requests whose logits were NaN / inf. The token ids and the finiteness flags come
+        back together in the step's one device-to-host copy (:meth:`to_host`); logprobs, when a request asks for
+        them, are read after it."""
         finite = torch.isfinite(logits).all(dim=-1)
-        out = self.sampler(logits, sampling)
-        raise_if_nonfinite(finite, sched)
-        return out
+        tokens, raw_logprobs = self.sampler.sample_tokens(logits, sampling)
+        token_list, ok = self.to_host(torch.stack([tokens.long(), finite.long()]))
+        raise_if_nonfinite(ok, sched)
+        return SamplerOutput(token_list, self.sampler.logprobs(raw_logprobs, token_list, sampling))
 
-    def _wait_for_gpu(self) -> None:
-        if self.measure_gpu_wait and self.device.type == "cuda":
-            t0 = time.perf_counter()
-            torch.cuda.synchronize(self.device)
+    def to_host(self, t: torch.Tensor) -> list:
+        """The step's one device-to-host sync: ``t`` (int64) as a list. Counted in :attr:`host_syncs`. On CUDA a
+        non-blocking copy into pinned memory and a wait on its event (no stream or device synchronize), the wait
+        timed into :attr:`gpu_wait_s` when :attr:`measure_gpu_wait` is on."""
+        self.host_syncs += 1
+        if t.device.type != "cuda":
+            return t.tolist()
+        n = t.numel()
+        if self._pinned is None or self._pinned.numel() < n:
+            self._pinned = torch.empty(max(n, 4096), dtype=torch.int64, pin_memory=True)
+        host = self._pinned[:n].view(t.shape)
+        host.copy_(t, non_blocking=True)
+        if self._copied is None:
+            self._copied = torch.cuda.Event()
+        self._copied.record()
+        t0 = time.perf_counter()
+        self._copied.synchronize()
+        if self.measure_gpu_wait:
             self.gpu_wait_s += time.perf_counter() - t0
+        return host.tolist()
 
     def _prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor, qsl: list[int]):
         result: dict[int, list[tuple[int, dict[int, tuple[float, int]]]]] = {}
@@ -252,12 +271,13 @@ class NonFiniteLogitsError(RuntimeError):
         self.request_ids = request_ids
 
 
-def raise_if_nonfinite(ok: torch.Tensor, sched: SchedulerOutput) -> None:
-    """Raise ``NonFiniteLogitsError`` naming the requests whose sampled row is not all finite (``ok [rows]``)."""
-    if bool(ok.all()):
+def raise_if_nonfinite(ok: list, sched: SchedulerOutput) -> None:
+    """Raise ``NonFiniteLogitsError`` naming the requests whose sampled row is not all finite (``ok [rows]``,
+    a host list of flags)."""
+    if all(ok):
         return
     rows = [s.seq for s in sched.scheduled if s.samples]
-    bad = sorted({rows[i].request_id for i in torch.nonzero(~ok).flatten().tolist() if i < len(rows)})
+    bad = sorted({rows[i].request_id for i, good in enumerate(ok) if not good and i < len(rows)})
     raise NonFiniteLogitsError(
         f"the model produced non-finite logits (NaN / inf) for request(s) {', '.join(bad) or '?'}: the weights or "
         "the activations overflowed (fp16 overflow, or a corrupt checkpoint loaded with allow_nonfinite_weights); "

@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lqe.forward_context import step_cached
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -52,14 +54,16 @@ class RotaryEmbedding(nn.Module):
             from lqe.kernels.fused_ops import rotary_embedding
 
             return rotary_embedding(positions, q, k, self.cos_sin, self.head_dim)
-        cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [T, D/2]
+        # the same positions tensor reaches every layer: gather cos/sin once per step
+        cos, sin = step_cached(("rope", id(self), id(positions)),
+                               lambda: [c[:, None, :] for c in self.cos_sin[positions].chunk(2, dim=-1)])
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t, dtype = x.shape[0], x.dtype
         x = x.view(t, -1, self.head_dim).float()
         x1, x2 = x.chunk(2, dim=-1)
-        c, s = cos[:, None, :], sin[:, None, :]
+        c, s = cos, sin  # [T, 1, D/2]
         out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
         return out.flatten(1).to(dtype)
 

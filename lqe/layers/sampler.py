@@ -106,12 +106,18 @@ def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float] | None]
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        tokens, raw_logprobs = self.sample_tokens(logits, batch)
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, self.logprobs(raw_logprobs, token_list, batch))
+
+    def sample_tokens(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sampled token ids ``[B]`` (on the logits' device: nothing waits for the GPU) and, when a row wants
+        logprobs, the raw log-softmax for :meth:`logprobs`."""
         greedy = batch.temperature == 0
         wants_logprobs = any(n is not None for n in batch.num_logprobs)
         if (bool(greedy.all()) and not wants_logprobs and not any(batch.banned_token_ids)
                 and not batch.needs_penalties and batch.token_bitmask is None and not batch.logit_bias):
-            # the common greedy step: argmax of the raw logits, one device-to-host copy
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * logits.shape[0])
+            return logits.argmax(dim=-1), None  # the common greedy step: argmax of the raw logits
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
         if batch.needs_penalties:
@@ -137,7 +143,11 @@ class Sampler:
                 # exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p
                 e = torch.empty_like(probs[j]).exponential_(generator=batch.generators[i])
                 tokens[i] = (probs[j] / e).argmax()
-        token_list = tokens.tolist()
+        return tokens, raw_logprobs
+
+    @staticmethod
+    def logprobs(raw_logprobs: torch.Tensor | None, token_list: list[int],
+                 batch: SamplingBatch) -> list[TokenLogprobs | None]:
         logprobs: list[TokenLogprobs | None] = [None] * len(token_list)
         if raw_logprobs is not None:
             for i, n in enumerate(batch.num_logprobs):
@@ -149,4 +159,4 @@ class Sampler:
                 top = row.topk(n) if n > 0 else None
                 logprobs[i] = TokenLogprobs(float(lp), rank, top.indices.tolist() if top is not None else [],
                                             top.values.tolist() if top is not None else [])
-        return SamplerOutput(token_list, logprobs)
+        return logprobs

@@ -1,0 +1,198 @@
+"""Host time of one mixed step (a prefill chunk beside decodes), per phase, on a random-weight model (issue 26).
+
+A mixed step runs eagerly; on a GPU its cost is the host's (Python, dispatch, kernel launches) whenever that
+exceeds the GPU work. This tool drives the real engine (``LLMEngine.step``) through identical mixed steps --
+``--decodes`` sequences decoding beside one new ``--chunk``-token prompt prefilled whole in each step -- and times:
+
+* ``schedule``: ``Scheduler.schedule``;
+* ``prep``: the runner's input preparation (host buffer fill, metadata, one host-to-device copy);
+* ``forward``: the model forward (``forward_per_layer`` = forward / layers), of which ``attention`` is the
+  attention layers (store K/V + attend) and ``forward_rest`` the other ops;
+* ``sample``: LM head on the sampled rows + sampler (includes the step's one device-to-host copy);
+* ``other``: the rest of ``step()``: the sampling batch and output processing (appending tokens, stop checks).
+
+Every phase is wall time without a device synchronize, so on CUDA it is the host's time (kernels run
+asynchronously), except ``sample``, which waits for the GPU in its one sync: on CUDA ``gpu_wait`` (the time
+that sync blocks, measured once per step by ``ModelRunner.measure_gpu_wait``) is subtracted from ``step`` for
+``host_ms_per_step``. On CPU the compute runs inside each phase, so by default the model keeps the shape's
+layer count, head counts and step shape but divides its widths (hidden, intermediate, vocabulary) by
+``--width-div`` (8): the per-op compute becomes small and the forward time is dominated by its host cost
+(dispatch of the same ops, Python). ``--width-div 1`` gives the real widths (compute dominated on CPU).
+``ops_per_step`` counts the aten ops of one step (a device-independent proxy for launches). On CPU the clock is
+the main thread's CPU time (``time.thread_time``, torch on one thread), so a machine shared with other jobs
+inflates the figures less than wall time would; on CUDA it is wall time (``perf_counter``).
+
+    python benchmarks/step_host_time.py                                # CPU, smollm2 shape, JSON in benchmarks/results
+    python benchmarks/step_host_time.py --device cuda --width-div 1    # a GPU: the real host time of the eager step
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import torch  # noqa: E402
+
+from common import env_info, write_random_checkpoint  # noqa: E402
+
+PHASES = ("schedule", "prep", "forward", "attention", "sample", "step")
+
+
+def scaled_config(shape: str, width_div: int):
+    """The HF config of ``shape`` (benchmarks/e2e_gpu.SHAPES) with hidden/intermediate/vocab divided by
+    ``width_div`` (head counts and layer count kept: the same ops run per layer)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from e2e_gpu import SHAPES
+
+    arch, fields = SHAPES[shape]
+    f = dict(fields)
+    if width_div > 1:
+        heads = f["num_attention_heads"]
+        head_dim = max(8, f["hidden_size"] // heads // width_div)
+        f.update(hidden_size=heads * head_dim, intermediate_size=max(16, f["intermediate_size"] // width_div),
+                 vocab_size=max(512, f["vocab_size"] // width_div), head_dim=head_dim)
+    cfg_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    cfg = cfg_cls(**f, torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1)
+    cfg.architectures = [model_cls.__name__]
+    return cfg, model_cls
+
+
+class PhaseTimer:
+    """Wraps bound methods of live objects with wall-clock accumulators (one ``perf_counter`` pair per call)."""
+
+    def __init__(self, clock=time.perf_counter) -> None:
+        self.total: dict[str, float] = {}
+        self.clock = clock
+
+    def wrap(self, obj, attr: str, name: str) -> None:
+        fn = getattr(obj, attr)
+
+        def timed(*a, **k):
+            t0 = self.clock()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.total[name] = self.total.get(name, 0.0) + self.clock() - t0
+        setattr(obj, attr, timed)
+
+    def take(self) -> dict[str, float]:
+        out, self.total = self.total, {}
+        return out
+
+
+def count_ops(fn) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+    with Count():
+        fn()
+    return Count.n
+
+
+def measure(model_dir: str, args) -> dict:
+    from lqe.config import EngineConfig
+    from lqe.engine.llm_engine import LLMEngine
+    from lqe.layers.attention import Attention
+    from lqe.sampling_params import SamplingParams
+
+    cfg = EngineConfig(model=model_dir, device=args.device, dtype=args.dtype, max_model_len=2048,
+                       max_num_seqs=args.decodes + 1, max_num_batched_tokens=args.decodes + args.chunk,
+                       enable_prefix_caching=False, kv_cache_memory_bytes=args.kv_mib << 20)
+    engine = LLMEngine(cfg)
+    vocab = engine.model_config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    rand = lambda n: torch.randint(2, vocab, (n,), generator=g).tolist()  # noqa: E731
+    long_steps = args.warmup + args.steps + 2
+    params = SamplingParams(max_tokens=long_steps + 8, ignore_eos=True, temperature=0)
+    for i in range(args.decodes):
+        engine.add_request(f"d{i}", rand(16), params)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # every short request is decoding now
+    for i in range(long_steps):  # one whole prompt of `chunk` tokens prefilled beside the decodes in every step
+        engine.add_request(f"p{i}", rand(args.chunk), SamplingParams(max_tokens=1, ignore_eos=True))
+    runner = engine.runner
+    clock = time.thread_time if engine.device.type == "cpu" else time.perf_counter
+    timer = PhaseTimer(clock)
+    timer.wrap(engine.scheduler, "schedule", "schedule")
+    timer.wrap(runner, "prepare_inputs", "prep")
+    timer.wrap(runner.model, "forward", "forward")
+    timer.wrap(runner, "_sample", "sample")
+    timer.wrap(runner.model, "compute_logits", "sample")
+    for m in runner.model.modules():
+        if isinstance(m, Attention):
+            timer.wrap(m, "forward", "attention")
+    steps = []
+    runner.measure_gpu_wait = engine.device.type == "cuda"
+    for i in range(args.warmup + args.steps):
+        runner.gpu_wait_s = 0.0
+        timer.take()
+        t0 = clock()
+        engine.step()
+        step_s = clock() - t0
+        ph = timer.take()
+        ph["step"], ph["gpu_wait"] = step_s, runner.gpu_wait_s
+        if i >= args.warmup:
+            steps.append(ph)
+    layers = engine.model_config.num_hidden_layers
+    med = {k: statistics.median(s.get(k, 0.0) for s in steps) * 1e3 for k in PHASES + ("gpu_wait",)}
+    row = {f"{k}_ms": round(v, 3) for k, v in med.items()}
+    row["host_ms_per_step"] = round(med["step"] - med["gpu_wait"], 3)
+    row["forward_rest_ms"] = round(med["forward"] - med["attention"], 3)
+    row["forward_per_layer_ms"] = round(med["forward"] / layers, 4)
+    row["other_ms"] = round(med["step"] - med["schedule"] - med["prep"] - med["forward"] - med["sample"], 3)
+    row["ops_per_step"] = count_ops(engine.step)
+    row["layers"] = layers
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="smollm2-135m")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    ap.add_argument("--width-div", type=int, default=None, help="divide widths by this (default 8 on CPU, 1 on CUDA)")
+    ap.add_argument("--decodes", type=int, default=32, help="sequences decoding in every measured step")
+    ap.add_argument("--chunk", type=int, default=224, help="prefill tokens of the long prompt per step")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--kv-mib", type=int, default=512)
+    ap.add_argument("--label", default="", help="a name for this row (e.g. before / after)")
+    ap.add_argument("--out", default=None, help="JSON file to append the row to (default: print only)")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA GPU is visible")
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    args.width_div = args.width_div or (1 if args.device == "cuda" else 8)
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # every op on the timed thread
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg, model_cls = scaled_config(args.shape, args.width_div)
+        model_dir = write_random_checkpoint(cfg, model_cls, Path(tmp) / "model", seed=0)
+        row = {"label": args.label, "shape": args.shape, "device": args.device, "dtype": args.dtype,
+               "width_div": args.width_div, "decodes": args.decodes, "chunk": args.chunk, "steps": args.steps, "clock": "thread_time" if args.device == "cpu" else "wall",
+               **measure(str(model_dir), args)}
+    print(json.dumps(row))
+    if args.out:
+        path = Path(args.out)
+        doc = json.loads(path.read_text()) if path.exists() else {"env": env_info(), "rows": []}
+        doc["rows"].append(row)
+        path.write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
