@@ -6,8 +6,12 @@ Per (model shape, variant) it measures, through the public API (``LLM.generate``
 * ``decode_tok_s_bs1`` / ``decode_tok_s_bs16``: generated tokens per second after the first token, one request /
   16 requests (128-token prompts, 256 new tokens);
 * ``ttft_ms``: time to first token of one 512-token prompt (median of 3, prefix caching off);
-* ``throughput_tok_s``: output tokens per second over N requests (default 256) whose input and output lengths are
-  uniform in [100, 1024] (seeded); ``total_tok_s`` adds the prompt tokens;
+* ``throughput_tok_s`` (= ``throughput_256_tok_s``): output tokens per second over N requests (default 256) whose
+  input and output lengths are uniform in [100, 1024] (seed 0, ``ignore_eos``: ``benchmarks/workload.py``, the
+  nano-vllm protocol); ``total_tok_s`` adds the prompt tokens; ``gpu_busy_256``: the GPU time of every step (CUDA
+  events around ``ModelRunner.execute``, read after the run: no added sync) over the run's wall time;
+  ``floor_256_s`` / ``time_256_s`` / ``floor_256_ratio``: the workload's roofline floor from its FLOPs and bytes
+  and the GPU's spec peaks, beside the measured time;
 * ``weight_gbps_bs1``: weight bytes read per decoded token (every weight except the embedding table, which is
   gathered, unless tied to the LM head) x ``decode_tok_s_bs1``: compare with the GPU's HBM bandwidth;
 * ``gpu_ms_step_bs1``: GPU time of one batch-1 decode step (its CUDA graph replayed back to back, 256 cached
@@ -47,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from common import write_random_checkpoint  # noqa: E402
+from workload import peaks_for, workload_256, workload_floor  # noqa: E402
 
 SHAPES = {  # HF config fields of the real models; weights are random
     "llama3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -137,17 +142,59 @@ def ttft_ms(llm, sp_cls, vocab: int, rng: random.Random, prompt_len: int = 512, 
     return statistics.median(times)
 
 
-def throughput(llm, sp_cls, n: int, vocab: int, seed: int, lo: int = 100, hi: int = 1024) -> tuple[float, float]:
-    rng = random.Random(seed)
-    prompts = _prompts(rng, n, (lo, hi), vocab)
-    params = [sp_cls(max_tokens=rng.randint(lo, hi), ignore_eos=True, temperature=0) for _ in range(n)]
-    _sync()
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    _sync()
-    dt = time.perf_counter() - t0
+def throughput_256(llm, sp_cls, n: int, vocab: int, seed: int) -> dict:
+    """The issue-26 workload (:func:`workload.workload_256`) through ``LLM.generate``: output and total tokens/s,
+    wall seconds, and the GPU time of every step from a pair of CUDA events recorded around
+    ``ModelRunner.execute`` (recorded only: read after the run, so they add no host sync). A step's span runs from
+    its first queued kernel to its end, so gaps inside an eager step (the GPU waiting for the host's launches)
+    count as busy: ``gpu_busy_256`` is an upper bound of kernel time over wall time; the time between steps
+    (scheduling, output processing, the next step's input building) counts as idle."""
+    reqs = workload_256(vocab, n, seed=seed)
+    prompts = [r.prompt for r in reqs]
+    params = [sp_cls(max_tokens=r.output_len, ignore_eos=True, temperature=0) for r in reqs]
+    runner = llm.llm_engine.runner
+    spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    execute = runner.execute
+
+    def timed(*a, **k):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        try:
+            return execute(*a, **k)
+        finally:
+            end.record()
+            spans.append((start, end))
+    runner.execute = timed
+    try:
+        _sync()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        _sync()
+        dt = time.perf_counter() - t0
+    finally:
+        del runner.execute
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return out_tokens / dt, (out_tokens + sum(map(len, prompts))) / dt
+    gpu_s = sum(s.elapsed_time(e) for s, e in spans) / 1e3
+    return {"out_tok_s": out_tokens / dt, "total_tok_s": (out_tokens + sum(map(len, prompts))) / dt, "seconds": dt,
+            "gpu_s": gpu_s, "steps": len(spans), "requests": reqs}
+
+
+def floor_columns(shape: str, reqs, weight_bytes: int, measured_s: float) -> dict:
+    """The workload's roofline floor (:func:`workload.workload_floor`) beside the measured time."""
+    f = SHAPES[shape][1]
+    h, layers, inter, vocab = f["hidden_size"], f["num_hidden_layers"], f["intermediate_size"], f["vocab_size"]
+    head_dim = h // f["num_attention_heads"]
+    kv = f["num_key_value_heads"] * head_dim
+    params = layers * (h * (h + 2 * kv) + h * h + 3 * h * inter) + h * vocab
+    peaks = peaks_for(torch.cuda.get_device_name(0))
+    if peaks is None:
+        return {"floor_256_s": None, "floor_256_note": f"no peak FLOP/s / bandwidth known for "
+                                                      f"{torch.cuda.get_device_name(0)} (benchmarks/workload.PEAKS)"}
+    fl = workload_floor(reqs, matmul_params=params, weight_bytes=weight_bytes, layers=layers, q_width=h,
+                        kv_bytes_per_token=2 * layers * kv * 2, peak_flops=peaks[0], peak_bw=peaks[1])
+    return {"floor_256_s": round(fl["floor_s"], 3), "floor_256_bound": fl["floor_bound"],
+            "time_256_s": round(measured_s, 3), "floor_256_ratio": round(measured_s / fl["floor_s"], 2),
+            "flops_256": fl["flops"], "bytes_256": fl["bytes"]}
 
 
 def decode_weight_bytes(llm) -> int:
@@ -201,7 +248,7 @@ def _decode_columns(llm, args, vocab: int, suffix: str) -> dict:
     return row
 
 
-def run_variant(model_dir: Path, args, vocab: int) -> dict:
+def run_variant(model_dir: Path, args, vocab: int, shape: str) -> dict:
     from lqe import SamplingParams
 
     t0 = time.perf_counter()
@@ -218,8 +265,15 @@ def run_variant(model_dir: Path, args, vocab: int) -> dict:
         row["gpu_busy_bs1"] = row["gpu_ms_step_bs1"] * row["decode_tok_s_bs1"] / 1e3
     rng = random.Random(args.seed + 1)
     row["ttft_ms"] = ttft_ms(llm, SamplingParams, vocab, rng)
-    row["throughput_tok_s"], row["total_tok_s"] = throughput(llm, SamplingParams, args.num_requests, vocab, args.seed)
     row["weight_bytes"] = decode_weight_bytes(llm)
+    # the issue-26 workload: throughput_tok_s / total_tok_s keep their names (same protocol: lengths uniform in
+    # [100, 1024], seeded), now with the GPU-busy fraction and the roofline floor of the same run
+    t = throughput_256(llm, SamplingParams, args.num_requests, vocab, args.seed)
+    row["throughput_tok_s"], row["total_tok_s"] = t["out_tok_s"], t["total_tok_s"]
+    row["throughput_256_tok_s"] = t["out_tok_s"]
+    row["gpu_busy_256"] = round(t["gpu_s"] / t["seconds"], 3)
+    row["steps_256"], row["num_requests_256"] = t["steps"], args.num_requests
+    row.update(floor_columns(shape, t["requests"], row["weight_bytes"], t["seconds"]))
     row["weight_gbps_bs1"] = row["weight_bytes"] * row["decode_tok_s_bs1"] / 1e9
     del llm, runner
     _free_gpu()
@@ -310,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             t0 = time.perf_counter()
             try:
-                row = run_variant(model_dir, args, vocab)
+                row = run_variant(model_dir, args, vocab, shape)
             except Exception as e:  # noqa: BLE001 -- one broken variant must not lose the others
                 print(f"[{shape}/{variant}] failed: {type(e).__name__}: {e}", flush=True)
                 continue

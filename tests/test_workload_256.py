@@ -1,0 +1,43 @@
+"""The issue-26 throughput workload (benchmarks/workload.py): deterministic, lengths in range, and its floor."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from workload import Request, workload_256, workload_floor  # noqa: E402
+
+
+def test_workload_is_deterministic_and_in_range():
+    a, b = workload_256(49152), workload_256(49152)
+    assert len(a) == 256
+    assert a == b, "the same seed must give the same requests"
+    assert workload_256(49152, seed=1) != a
+    ins, outs = [len(r.prompt) for r in a], [r.output_len for r in a]
+    assert min(ins) >= 100 and max(ins) <= 1024 and min(outs) >= 100 and max(outs) <= 1024
+    assert max(ins) - min(ins) > 700 and max(outs) - min(outs) > 700, "lengths spread over the range"
+    assert 450 < sum(ins) / 256 < 680 and 450 < sum(outs) / 256 < 680, "uniform: mean near 562"
+    ids = [t for r in a for t in r.prompt]
+    assert min(ids) >= 2 and max(ids) < 49152
+    assert workload_256(1000, n=8) == workload_256(1000, n=8)
+    assert [len(r.prompt) for r in workload_256(1000, n=8)] == ins[:8], "a prefix of the same lengths"
+
+
+def test_workload_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="n >= 1"):
+        workload_256(1000, n=0)
+    with pytest.raises(ValueError, match="lo <= hi"):
+        workload_256(1000, lo=10, hi=5)
+
+
+def test_floor_counts_flops_and_bytes():
+    reqs = [Request([5] * 3, 2), Request([5] * 1, 4)]
+    fl = workload_floor(reqs, matmul_params=10, weight_bytes=100, layers=2, q_width=4, kv_bytes_per_token=8,
+                        peak_flops=1e3, peak_bw=1e3)
+    # tokens 5 + 5 = 10; contexts 1+..+5 twice = 30; decode contexts (3+4) + (1+2+3+4) = 17; 4 decode steps
+    assert fl["flops"] == 2 * 10 * 10 + 4 * 2 * 4 * 30
+    assert fl["bytes"] == 100 * 4 + 8 * 17
+    assert fl["min_decode_steps"] == 4
+    assert fl["floor_s"] == pytest.approx(max(fl["flops"], fl["bytes"]) / 1e3)
+    assert fl["floor_bound"] == "compute"
