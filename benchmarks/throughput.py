@@ -24,7 +24,8 @@ def run_lqe(args, prompts, out_lens) -> tuple[float, int]:
     from lqe import LLM, SamplingParams
 
     llm = LLM(args.model, quantization=args.quantization, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens)
+              max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+              kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     t = time.perf_counter()

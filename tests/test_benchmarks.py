@@ -98,7 +98,7 @@ def test_latency_script(tiny_llama_dir, tmp_path):
 def test_accuracy_vs_throughput_script(tiny_llama_dir, text_file, tmp_path):
     import accuracy_vs_throughput as avt
 
-    args = ["--model", tiny_llama_dir, "--variants", "float,rtn-w4g64-asym", "--out", str(tmp_path / "res"),
+    args = ["--model", tiny_llama_dir, "--variants", "float,rtn-w4g64-asym,float-kv-fp8-e4m3", "--out", str(tmp_path / "res"),
             "--dataset", text_file, "--max-windows", "2", "--seq-len", "64", "--cache", str(tmp_path / "cache"),
             "--tp-prompts", "2", "--tp-input-len", "8", "16", "--tp-output-len", "4", "8",
             "--latency-prompt-len", "8", "--latency-gen-len", "4"]
@@ -109,18 +109,20 @@ def test_accuracy_vs_throughput_script(tiny_llama_dir, text_file, tmp_path):
     assert {"torch", "cuda", "lqe_commit", "cpu"} <= data["env"].keys()
     assert data["settings"]["windows"] == 2 and data["settings"]["seq_len"] == 64
     names = [v["name"] for v in data["variants"]]
-    assert names == ["float", "rtn-w4g64-asym"]
+    assert names == ["float", "rtn-w4g64-asym", "float-kv-fp8-e4m3"]
     for v in data["variants"]:
         for k in ("name", "format", "bits", "ppl", "kl", "top1_agree", "decode_tok_s",
                   "throughput_tok_s", "weight_bytes"):
             assert v[k] is not None, k
-    fl, q = data["variants"]
+    fl, q, kv = data["variants"]
+    assert (fl["kv_cache"], kv["kv_cache"], kv["weight_bytes"]) == ("float32", "float8_e4m3fn", fl["weight_bytes"])
+    assert kv["kl"] > 0 and any(t["target"].startswith("float-kv-fp8-e4m3") for t in data["targets"])
     assert fl["kl"] == pytest.approx(0.0, abs=1e-9) and fl["top1_agree"] == 1.0
     assert fl["group_size"] is None and q["format"] == "gptq" and q["bits"] == 4 and q["group_size"] == 64 and q["kl"] > 0
     assert q["weight_bytes"] < fl["weight_bytes"]
     assert os.path.getsize(base.with_suffix(".png")) > 1000
     md = base.with_suffix(".md").read_text()
-    assert "| rtn-w4g64-asym |" in md
+    assert "| rtn-w4g64-asym |" in md and "| float-kv-fp8-e4m3 | float | 32 | – | float8_e4m3fn |" in md
     assert "- `rtn-w4g64-asym`: `--method rtn --format gptq --bits 4 --group-size 64 --asym`" in md
     # the cached checkpoint is reused when the convert command is the same
     ns = avt.argparse.Namespace(cache=str(tmp_path / "cache"), calib=None, calib_samples=16, calib_seq_len=256, seed=0)

@@ -212,3 +212,16 @@ def test_prefix_caching_preemption_and_padded_decode_on_fp8(kv_scheme_dir):
     assert [o.outputs[0].token_ids for o in outs] == alone
     eng = llm.llm_engine
     assert eng.scheduler.num_preemptions > 0 and eng.block_manager.hits > 0
+
+
+def test_accuracy_benchmark_kv_cache_flag(tiny_llama_dir, tmp_path):
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    import accuracy
+
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"word{i % 37} and more text {i}" for i in range(400)))
+    res = {kv: accuracy.main(["--model", tiny_llama_dir, "--dataset", str(text), "--seq-len", "48", "--max-windows", "2",
+                              "--kv-cache-dtype", kv]) for kv in ("auto", "fp8_e5m2")}
+    assert (res["auto"]["kv_cache_torch_dtype"], res["fp8_e5m2"]["kv_cache_torch_dtype"]) == ("float32", "float8_e5m2")
+    assert res["auto"]["tokens"] == res["fp8_e5m2"]["tokens"] and res["auto"]["ppl"] != res["fp8_e5m2"]["ppl"]
