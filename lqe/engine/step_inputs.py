@@ -83,14 +83,22 @@ def token_slice(seq, start: int, n: int) -> list[int]:
 
 
 def fill_host(buf: np.ndarray, sched: SchedulerOutput, block_size: int, pad_seqs: int | None = None,
-              width: int | None = None, logits_for_all: bool = False) -> StepLayout:
+              width: int | None = None, logits_for_all: bool = False, pad_tokens: int | None = None) -> StepLayout:
     """Write the step's inputs into ``buf`` (int32) and return their layout.
 
     ``pad_seqs``: a decode-only step padded to that many sequences (one token each), with block tables
-    ``width`` wide (the CUDA-graph layout). ``logits_for_all``: no sample-row list (every row is sampled)."""
+    ``width`` wide (the CUDA-graph layout). ``logits_for_all``: no sample-row list (every row is sampled).
+    ``pad_tokens``: any step's flat token batch padded to that many tokens (a token bucket,
+    :mod:`lqe.engine.token_buckets`): the padding tokens follow the real ones, belong to no sequence
+    (``query_start_loc`` ends at the real count), have token 0 at position 0 and slot ``-1``."""
     scheduled = sched.scheduled
     b = len(scheduled)
     num_tokens = sum(s.num_new_tokens for s in scheduled)
+    real_tokens = num_tokens
+    if pad_tokens is not None:
+        if pad_seqs is not None or pad_tokens < num_tokens:
+            raise ValueError(f"pad_tokens={pad_tokens} must hold the step's {num_tokens} tokens and excludes pad_seqs")
+        num_tokens = pad_tokens
     if pad_seqs is not None:
         if num_tokens != b or pad_seqs < b:
             raise ValueError(f"pad_seqs={pad_seqs} needs a decode-only step of at most that many sequences "
@@ -132,6 +140,10 @@ def fill_host(buf: np.ndarray, sched: SchedulerOutput, block_size: int, pad_seqs
         if num_sample and s.samples:
             sample_rows[k] = t - 1
             k += 1
+    if num_tokens > real_tokens and pad_seqs is None:  # token-bucket padding: no sequence owns these rows
+        ids[t:] = 0
+        pos[t:] = 0
+        slots[t:] = -1
     if b_pad > b:  # padding rows: one token each, stored nowhere, attending to nothing
         ids[t:] = 0
         pos[t:] = 0
@@ -163,14 +175,14 @@ class StepInputBuilder:
         self.device_buf = torch.zeros(capacity, dtype=torch.int32, device=device) if self.on_cuda else self._host[0]
 
     def fill(self, sched: SchedulerOutput, pad_seqs: int | None = None, width: int | None = None,
-             logits_for_all: bool = False) -> StepLayout:
+             logits_for_all: bool = False, pad_tokens: int | None = None) -> StepLayout:
         """Fill the next host buffer and start its copy into :attr:`device_buf` (on the current stream)."""
         i = self._turn
         self._turn = (i + 1) % len(self._host)
         ev = self._events[i]
         if ev is not None:
             ev.synchronize()  # the copy that last read this pinned buffer has finished
-        lay = fill_host(self._host_np[i], sched, self.block_size, pad_seqs, width, logits_for_all)
+        lay = fill_host(self._host_np[i], sched, self.block_size, pad_seqs, width, logits_for_all, pad_tokens)
         if self.on_cuda:
             self.device_buf[:lay.size].copy_(self._host[i][:lay.size], non_blocking=True)
             if ev is None:
@@ -182,9 +194,9 @@ class StepInputBuilder:
         """The host array :meth:`fill` wrote last."""
         return self._host_np[(self._turn - 1) % len(self._host)]
 
-    def build(self, sched: SchedulerOutput) -> StepInputs:
-        """Eager-step inputs: compact layout, logits rows listed."""
-        lay = self.fill(sched)
+    def build(self, sched: SchedulerOutput, pad_tokens: int | None = None) -> StepInputs:
+        """Eager-step inputs: compact layout (``pad_tokens``: padded to that token bucket), logits rows listed."""
+        lay = self.fill(sched, pad_tokens=pad_tokens)
         ids, pos, slots, qsl, lens, tables, sample = views(self.device_buf, lay)
         host = self.last_host()
         qsl_cpu = host[lay.query_start_loc:lay.seq_lens].tolist()
@@ -193,5 +205,5 @@ class StepInputBuilder:
             slot_mapping=slots, query_start_loc=qsl, seq_lens=lens, block_tables=tables,
             max_query_len=max(s.num_new_tokens for s in sched.scheduled), max_seq_len=max(lens_cpu),
             query_start_loc_cpu=qsl_cpu, seq_lens_cpu=lens_cpu, block_size=self.block_size)
-        all_rows = lay.num_sample == lay.num_tokens  # every token samples (a decode-only step): no gather
+        all_rows = lay.num_sample == lay.num_tokens  # every token samples (an unpadded decode-only step): no gather
         return StepInputs(ids, pos, meta, None if all_rows else sample, lay.num_sample)
