@@ -68,6 +68,13 @@ def test_option_validation():
     scheme = {"quantization_config": {"kv_cache_scheme": KV_SCHEME}}
     assert resolve_kv_cache_dtype("auto", scheme, torch.bfloat16) == E4M3  # the checkpoint asks for fp8
     assert resolve_kv_cache_dtype("fp8_e5m2", scheme, torch.bfloat16) == E5M2
+    from lqe.entrypoints.cli import build_parser
+
+    for cmd in ("generate", "chat", "serve"):
+        extra = ["m"] if cmd == "serve" else []
+        assert build_parser().parse_args([cmd, *extra, "--kv-cache-dtype", "fp8_e5m2"]).kv_cache_dtype == "fp8_e5m2"
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([cmd, *extra, "--kv-cache-dtype", "int8"])
     with pytest.raises(ValueError, match="strategy 'tensor'"):
         resolve_kv_cache_dtype("auto", {"quantization_config": {"kv_cache_scheme": dict(KV_SCHEME, strategy="attn_head")}},
                                torch.bfloat16)
