@@ -188,7 +188,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, sampling: SamplingBatch | None) -> StepResult:
-        if self.graph_runner is not None:
+        if self.graph_runner is not None and not self.kv_calibrate:  # fp8 scales still to compute: an eager step
             logits = self.graph_runner.run(sched)
             if logits is not None:
                 return StepResult(self._sample(logits, sched, sampling), {})
