@@ -5,10 +5,10 @@
   and an exhaustive sweep of the quantizer over every fp16 / bf16 value).
 * The twins against the layers' own unfused CPU path.
 * The post-load pass (lqe/layers/act_quant_fusion.py): it links exactly the three pairs per decoder layer of a W8A8
-  dynamic-symmetric model whose layers have a CUDA kernel plan, and nothing for float, GPTQ, asymmetric or static W8A8,
-  without a plan, with ``LQE_FUSED_ACT_QUANT=0`` or with two tensor-parallel ranks. The plan is faked on CPU (the
-  layers take the CUDA path's code with a torch GEMM), so a whole engine runs the fused path and must give the same
-  tokens and logprobs, bit for bit, as the unfused one.
+  model (dynamic sym / asym, static sym / asym activations) whose layers have a CUDA kernel plan, and nothing for
+  float or GPTQ, without a plan, with ``LQE_FUSED_ACT_QUANT=0`` or with two tensor-parallel ranks. The plan is faked
+  on CPU (the layers take the CUDA path's code with a torch GEMM), so a whole engine runs the fused path and must give
+  the same tokens and logprobs, bit for bit, as the unfused one. (FP8 consumers: tests/test_act_quant_link.py.)
 """
 from __future__ import annotations
 
@@ -60,14 +60,40 @@ def test_fused_quant_kernels_under_interpreter():
 
 
 # ------------------------------------------------------------------------------------------------ twins
+def _specs():
+    from lqe.quant_layers import quantized_activation as qa
+
+    return {"sym": qa.ActQuant(qa.INT8_PER_TOKEN_SYM), "asym": qa.ActQuant(qa.INT8_PER_TOKEN_ASYM),
+            "static": qa.ActQuant(qa.INT8_STATIC, scale=torch.tensor([0.03])),
+            "static-azp": qa.ActQuant(qa.INT8_STATIC, scale=torch.tensor([0.05]), zero_point=torch.tensor([-9], dtype=torch.int32)),
+            "fp8": qa.ActQuant(qa.FP8_PER_TOKEN), "fp8-g32": qa.ActQuant(qa.FP8_PER_GROUP, group=32)}
+
+
+def _unfused_quant(spec, y: torch.Tensor):
+    """What the consumer computes from the float activation ``y`` when it quantizes for itself."""
+    from lqe.kernels import w8a8 as kw
+    from lqe.kernels.fused_quant_fp8 import quant_fp8_ref
+
+    y2 = y.reshape(-1, y.shape[-1])
+    if spec.scheme == "int8-static":
+        return ref.static_quant_int8(y2, spec.scale, spec.zero_point), spec.scale, spec.zero_point
+    if spec.scheme == "fp8-per-token":
+        return (*kw.fp8_quantize_per_token(y2), None)
+    if spec.scheme == "fp8-per-group":
+        return (*quant_fp8_ref(y2, spec.group), None)
+    return ref.per_token_quant_int8(y2, spec.scheme == "int8-per-token-sym")
+
+
+@pytest.mark.parametrize("scheme", ["sym", "asym", "static", "static-azp", "fp8", "fp8-g32"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_layers_quantized_output_is_the_unfused_path(dtype):
-    """RMSNorm / SiluAndMul with ``output_quant`` set give, on CPU, exactly the reference quantizer applied to their
-    float output (what the W8A8 layer computes when it quantizes itself); the residual is unchanged."""
+def test_layers_quantized_output_is_the_unfused_path(dtype, scheme):
+    """RMSNorm / SiluAndMul with ``output_quant`` set give, on CPU, exactly the quantizer of the consumer applied to
+    their float output (what the W8A8 / FP8 layer computes when it quantizes itself); the residual is unchanged."""
     from lqe.layers.activation import SiluAndMul
     from lqe.layers.norm import RMSNorm
-    from lqe.quant_layers.quantized_activation import INT8_PER_TOKEN_SYM, QuantizedActivation
+    from lqe.quant_layers.quantized_activation import QuantizedActivation
 
+    spec = _specs()[scheme]
     g = torch.Generator().manual_seed(0)
     x, r = (torch.randn(7, 96, generator=g) * 3).to(dtype), torch.randn(7, 96, generator=g).to(dtype)
     x[2] = 0
@@ -75,20 +101,49 @@ def test_layers_quantized_output_is_the_unfused_path(dtype):
     norm = RMSNorm(96, 1e-6, dtype)
     norm.weight.data = (1 + torch.randn(96, generator=g)).to(dtype)
     act = SiluAndMul()
-    a = (torch.randn(7, 2 * 80, generator=g) * 4).to(dtype)
+    a = (torch.randn(7, 2 * 64, generator=g) * 4).to(dtype)
     y, new_r = norm(x, r)
     y0 = norm(x)
     f = act(a)
-    norm.output_quant = act.output_quant = INT8_PER_TOKEN_SYM
+    norm.output_quant = act.output_quant = spec
     qy, qr = norm(x, r)
     qy0, qf = norm(x), act(a)
     assert torch.equal(qr, new_r)
     for got, float_out in ((qy, y), (qy0, y0), (qf, f)):
         assert isinstance(got, QuantizedActivation) and got.dtype == dtype and got.shape == float_out.shape
-        q, s, _ = ref.per_token_quant_int8(float_out, True)
-        assert torch.equal(got.q, q) and torch.equal(got.scale, s)
-        assert got.rows()[1].shape == (7,) and got.dequantize().dtype == dtype
-    assert qy.scale[2].item() == 0 and not qy.q[2].any()
+        assert got.scheme == spec.scheme
+        q, s, z = _unfused_quant(spec, float_out)
+        gq, gs, gz = got.rows()
+        assert torch.equal(gq.view(torch.uint8) if gq.is_floating_point() else gq,
+                           q.view(torch.uint8) if q.is_floating_point() else q)
+        assert torch.equal(gs, s.reshape(gs.shape)) and (z is None) == (gz is None)
+        assert z is None or torch.equal(gz, z.reshape(gz.shape))
+        assert got.dequantize().dtype == dtype
+        err = (got.dequantize().float() - float_out.float()).abs()
+        if scheme.startswith("static"):  # a calibrated range saturates beyond it
+            err = err[(got.q > -128) & (got.q < 127)]
+        assert err.max() <= 0.07 * float_out.float().abs().max() + 0.05, (scheme, err.max())
+    if scheme in ("sym", "asym", "fp8"):
+        assert qy.rows()[1].shape == (7,)
+    # a zero row: q 0 (scale 0, the fp8 1e-12 floor or the static scale), the zero point where there is one
+    assert torch.equal(qy.q[2].float(), torch.full((96,), -9.0 if scheme == "static-azp" else 0.0))
+
+
+def test_act_quant_spec_is_validated():
+    from lqe.quant_layers import quantized_activation as qa
+
+    with pytest.raises(ValueError, match="not one of"):
+        qa.ActQuant("int4-per-token")
+    with pytest.raises(ValueError, match="group"):
+        qa.ActQuant(qa.FP8_PER_TOKEN, group=128)
+    with pytest.raises(ValueError, match="group"):
+        qa.ActQuant(qa.FP8_PER_GROUP)
+    with pytest.raises(ValueError, match="needs one"):
+        qa.ActQuant(qa.INT8_STATIC)
+    s = _specs()
+    assert s["static-azp"].same_as(qa.ActQuant(qa.INT8_STATIC, scale=torch.tensor([0.05]),
+                                               zero_point=torch.tensor([-9], dtype=torch.int32)))
+    assert not s["static-azp"].same_as(s["static"]) and not s["sym"].same_as(s["asym"]) and not s["fp8"].same_as(None)
 
 
 # ------------------------------------------------------------------------------------------------ the pass
@@ -199,19 +254,33 @@ def _run(llm) -> tuple[list[int], torch.Tensor]:
     return list(o.token_ids), torch.tensor(lps, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("arch,dtype,online", [("llama", "float32", False), ("llama", "bfloat16", False),
-                                               ("qwen3", "float32", False), ("llama", "float32", True)])
-def test_pass_links_the_w8a8_pairs_and_changes_no_bit(arch, dtype, online, checkpoints, fake_cuda_plan, monkeypatch):
+SCHEME_OF = {"w8a8-dynamic-sym": "int8-per-token-sym", "w8a8-dynamic-asym": "int8-per-token-asym",
+             "w8a8-static-sym": "int8-static(sym)", "w8a8-static-asym": "int8-static(asym)"}
+
+
+@pytest.mark.parametrize("arch,dtype,online,fmt", [("llama", "float32", False, "w8a8-dynamic-sym"),
+                                                   ("llama", "bfloat16", False, "w8a8-dynamic-sym"),
+                                                   ("qwen3", "float32", False, "w8a8-dynamic-sym"),
+                                                   ("llama", "float32", True, "w8a8-dynamic-sym"),
+                                                   ("llama", "bfloat16", False, "w8a8-dynamic-asym"),
+                                                   ("llama", "float16", False, "w8a8-static-sym"),
+                                                   ("llama", "bfloat16", False, "w8a8-static-asym")])
+def test_pass_links_the_w8a8_pairs_and_changes_no_bit(arch, dtype, online, fmt, checkpoints, fake_cuda_plan,
+                                                      monkeypatch):
     """``online``: a float checkpoint quantized on load (``quantization="int8"``: dynamic symmetric per token)."""
     model_dir, kwargs = (checkpoints[f"{arch}-float"], {"quantization": "int8"}) if online else \
-        (checkpoints[f"{arch}-w8a8-dynamic-sym"], {})
+        (checkpoints[f"{arch}-{fmt}"], {})
     llm = _load(model_dir, monkeypatch, True, dtype, **kwargs)
     runner = llm.llm_engine.runner
     want = [(f"model.layers.{i}.{p}", f"model.layers.{i}.{c}") for i in range(2)
             for p, c in (pair.split(" -> ") for pair in PAIRS)]
     assert runner.fused_act_quant == want
-    linked = {n for n, s in _producers(runner.model).items() if s is not None}
-    assert linked == {p for p, _ in want}  # not the final norm, not qwen3's q/k norms
+    linked = {n: s for n, s in _producers(runner.model).items() if s is not None}
+    assert set(linked) == {p for p, _ in want}  # not the final norm, not qwen3's q/k norms
+    assert {str(s) for s in linked.values()} == {SCHEME_OF[fmt]}
+    if fmt.startswith("w8a8-static"):  # each producer reads its own consumer's calibrated scale (and zero point)
+        for p, c in want:
+            assert linked[p].scale is runner.model.get_submodule(c).in_scale
     assert all("fake plan" in m.quant_method.describe(m) for _, c in want for m in [runner.model.get_submodule(c)])
     fused = _run(llm)
     # every linked consumer took its input pre-quantized, once per layer and forward
@@ -225,14 +294,12 @@ def test_pass_links_the_w8a8_pairs_and_changes_no_bit(arch, dtype, online, check
     assert fused[0] == unfused[0] and torch.equal(fused[1], unfused[1]), (fused, unfused)
 
 
-@pytest.mark.parametrize("name", ["float", "gptq", "w8a8-dynamic-asym", "w8a8-static-sym", "w8a8-static-asym"])
+@pytest.mark.parametrize("name", ["float", "gptq"])
 def test_pass_links_nothing_for_other_formats(name, checkpoints, fake_cuda_plan, monkeypatch):
     llm = _load(checkpoints[f"llama-{name}"], monkeypatch)
     runner = llm.llm_engine.runner
     assert runner.fused_act_quant == []
     assert not any(_producers(runner.model).values())
-    if name.startswith("w8a8"):  # the consumers do run the CUDA path's code, quantizing for themselves
-        assert any("fake plan" in m.quant_method.describe(m) for m in runner.model.modules() if hasattr(m, "quant_method"))
     _run(llm)
     assert not fake_cuda_plan
 
@@ -260,14 +327,26 @@ def test_pass_off_with_tensor_parallel_ranks_and_by_env(checkpoints, fake_cuda_p
     lines = [r.getMessage() for r in caplog.records if "fused activation quantization" in r.getMessage()]
     assert len(lines) == 3, lines
     assert "tensor_parallel_size=2" in lines[0] and "disabled by LQE_FUSED_ACT_QUANT=0" in lines[2]
-    assert all(p in lines[1] for p in PAIRS) and "x2" in lines[1], lines[1]
+    assert all(f"{p} (int8-per-token-sym) x2" in lines[1] for p in PAIRS), lines[1]
 
 
 def test_quantized_input_refused_where_not_offered(checkpoints, fake_cuda_plan, monkeypatch):
-    from lqe.quant_layers.quantized_activation import QuantizedActivation
+    from lqe.quant_layers.quantized_activation import INT8_STATIC, QuantizedActivation
 
     llm = _load(checkpoints["llama-w8a8-static-sym"], monkeypatch)
     layer = llm.llm_engine.runner.model.model.layers[0].self_attn.qkv_proj
     qa = QuantizedActivation(torch.zeros(3, 64, dtype=torch.int8), torch.ones(3, 1), torch.float32)
-    with pytest.raises(ValueError, match="only float"):
+    with pytest.raises(ValueError, match=r"int8-per-token-sym activation but this layer takes int8-static\(sym\)"):
         layer(qa)
+    other_scale = QuantizedActivation(torch.zeros(3, 64, dtype=torch.int8), layer.in_scale.clone(), torch.float32,
+                                      INT8_STATIC)
+    with pytest.raises(ValueError, match="int8-static"):  # a static input quantized with another layer's scale
+        layer(other_scale)
+
+
+def test_static_zero_point_beyond_the_exact_range_is_not_offered(checkpoints, fake_cuda_plan, monkeypatch):
+    llm = _load(checkpoints["llama-w8a8-static-asym"], monkeypatch)
+    layer = llm.llm_engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert str(layer.quant_method.input_quant(layer)) == "int8-static(asym)"
+    layer.in_zp_fusable = False  # what process_weights_after_loading sets for |zero point| > 2^15
+    assert layer.quant_method.input_quant(layer) is None

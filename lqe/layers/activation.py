@@ -1,8 +1,9 @@
 """Gated activations on a fused ``[gate | up]`` tensor.
 
-When its only consumer takes int8 input (set after loading by :mod:`lqe.layers.act_quant_fusion`), the activation
-returns its output quantized per token (:class:`~lqe.quant_layers.quantized_activation.QuantizedActivation`, one
-fused kernel on GPU) in place of the float tensor.
+When its consumer takes quantized input (``output_quant``, an :class:`~lqe.quant_layers.quantized_activation.ActQuant`
+set after loading by :mod:`lqe.layers.act_quant_fusion`), the activation returns its output quantized
+(:class:`~lqe.quant_layers.quantized_activation.QuantizedActivation`, one fused kernel on GPU) in place of the float
+tensor.
 """
 from __future__ import annotations
 
@@ -10,21 +11,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lqe.quant_layers.quantized_activation import INT8_PER_TOKEN_SYM, QuantizedActivation
+from lqe.quant_layers.quantized_activation import SCHEMES, ActQuant, QuantizedActivation
 
 
 class SiluAndMul(nn.Module):
-    supported_output_quant = (INT8_PER_TOKEN_SYM,)
+    supported_output_quant = SCHEMES
 
     def __init__(self) -> None:
         super().__init__()
-        self.output_quant: str | None = None  # a scheme of supported_output_quant: return the output quantized
+        self.output_quant: ActQuant | None = None  # a scheme of supported_output_quant: return it quantized
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | QuantizedActivation:
         if self.output_quant is not None:
-            from lqe.kernels.fused_quant import silu_mul_quant_int8
-
-            return QuantizedActivation(*silu_mul_quant_int8(x, use_triton=x.is_cuda), x.dtype)
+            return self.output_quant.silu_mul(x)
         if x.is_cuda:
             from lqe.kernels.fused_ops import silu_and_mul
 

@@ -1,33 +1,31 @@
 """RMSNorm, optionally fused with the residual add (``x + residual`` is normalised and also returned).
 
-When its only consumer takes int8 input (set after loading by :mod:`lqe.layers.act_quant_fusion`), the norm returns
-its output quantized per token (:class:`~lqe.quant_layers.quantized_activation.QuantizedActivation`, one fused kernel
-on GPU) in place of the float tensor; the residual is the same either way.
+When its consumer takes quantized input (``output_quant``, an :class:`~lqe.quant_layers.quantized_activation.ActQuant`
+set after loading by :mod:`lqe.layers.act_quant_fusion`: int8 per token sym / asym, int8 static, fp8 per token or
+per group), the norm returns its output quantized
+(:class:`~lqe.quant_layers.quantized_activation.QuantizedActivation`, one fused kernel on GPU) in place of the float
+tensor; the residual is the same either way.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from lqe.quant_layers.quantized_activation import INT8_PER_TOKEN_SYM, QuantizedActivation
+from lqe.quant_layers.quantized_activation import SCHEMES, ActQuant
 
 
 class RMSNorm(nn.Module):
-    supported_output_quant = (INT8_PER_TOKEN_SYM,)
+    supported_output_quant = SCHEMES
 
     def __init__(self, hidden_size: int, eps: float, params_dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)
-        self.output_quant: str | None = None  # a scheme of supported_output_quant: return the output quantized
+        self.output_quant: ActQuant | None = None  # a scheme of supported_output_quant: return it quantized
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if self.output_quant is not None:
-            from lqe.kernels.fused_quant import rms_norm_quant_int8
-
-            q, scale, residual = rms_norm_quant_int8(x, self.weight, self.eps, residual, use_triton=x.is_cuda)
-            out = QuantizedActivation(q, scale, x.dtype)
-            return out if residual is None else (out, residual)
+            return self.output_quant.rms_norm(x, self.weight, self.eps, residual)
         if x.is_cuda:  # one fused Triton kernel on GPU (same rounding as below)
             from lqe.kernels.fused_ops import rms_norm
 

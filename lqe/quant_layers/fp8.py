@@ -10,7 +10,11 @@ Ada), checkpoints with quantized activations and per-tensor / per-channel weight
 :func:`lqe.kernels.fp8_linear` (dynamic per-token activation scales, or the static ``input_scale``: the max over
 fused shards). Block-scaled 128 x 128 checkpoints with dynamic activations run the Triton block-scaled fp8 GEMM
 (lqe/kernels/triton_fp8.py, 1 x 128 activation groups) on FP8 GPUs; weight-only checkpoints, and any GPU where the
-kernels decline, use the dequant path, with the reason logged once per layer kind."""
+kernels decline, use the dequant path, with the reason logged once per layer kind.
+
+On the two FP8 W8A8 paths with dynamic activations, the activations may instead arrive quantized (per token, or per
+1 x 128 group for block-scaled weights) from the RMSNorm / SiLU-mul that produced them, bit for bit as the layer would
+quantize them (:meth:`FP8Method.input_quant`, lqe/kernels/fused_quant_fp8.py, :mod:`lqe.layers.act_quant_fusion`)."""
 from __future__ import annotations
 
 import torch
@@ -20,7 +24,8 @@ from torch import nn
 from lqe.quant_layers.base import LinearMethod, empty_param
 from lqe.quant_layers.ct_scheme import CTScheme
 from lqe.quant_layers.loading import FLOAT_DTYPES, add_param, drop_params, is_loaded, require_loaded
-from lqe.quant_layers.w8a8 import per_shard_to_channel
+from lqe.quant_layers.quantized_activation import FP8_PER_GROUP, FP8_PER_TOKEN, ActQuant, QuantizedActivation
+from lqe.quant_layers.w8a8 import check_quantized_input, per_shard_to_channel
 from lqe.quant_layers.wna16_kernels import cuda_kernels_declined, layer_kind, log_fallback_once
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -135,6 +140,19 @@ class FP8Method(LinearMethod):
         except Exception as e:  # noqa: BLE001 -- any failure here must leave the dequant path usable
             return f"triton-fp8 unavailable: {type(e).__name__}: {e}"
 
+    def input_quant(self, layer: nn.Module) -> ActQuant | None:
+        """Dynamic fp8 activations on the FP8 W8A8 paths, one tensor-parallel rank: per token for ``_scaled_mm`` /
+        the GEMV (not with a static ``input_scale``), per 1 x 128 group for the block-scaled Triton GEMM."""
+        if getattr(layer, "tp_mode", None) is not None:
+            return None
+        if getattr(layer, "fp8_w_scale", None) is not None and layer.fp8_in_scale is None:
+            return ActQuant(FP8_PER_TOKEN)
+        if getattr(layer, "fp8_block_scale", None) is not None:
+            from lqe.kernels.triton_fp8 import SCALE_BLOCK
+
+            return ActQuant(FP8_PER_GROUP, group=SCALE_BLOCK)
+        return None
+
     def dequant_rows(self, layer: nn.Module, n0: int, n1: int, dtype: torch.dtype) -> torch.Tensor:
         w = layer.fp8_weight[n0:n1].to(dtype)
         s = layer.fp8_scale.to(dtype)
@@ -144,7 +162,20 @@ class FP8Method(LinearMethod):
         s = s[n0 // bh: -(-n1 // bh)].repeat_interleave(bh, 0)[: n1 - n0].repeat_interleave(bw, 1)[:, : w.shape[1]]
         return w * s
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor | QuantizedActivation,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(x, QuantizedActivation):  # from the producing op, in the scheme of input_quant
+            from lqe.kernels import w8a8 as kw
+
+            check_quantized_input(self, layer, x)
+            xq, xs, _ = x.rows()
+            dt = layer.params_dtype  # the unfused path's output dtype, as for a float input
+            b = None if bias is None else bias.to(dt)
+            if getattr(layer, "fp8_block_scale", None) is not None:
+                out = kw.fp8_block_apply_quantized(xq, xs, layer.fp8_weight, layer.fp8_block_scale, b, dt)
+            else:
+                out = kw.fp8_apply(xq, xs.reshape(-1, 1), layer.fp8_weight, layer.fp8_w_scale, b, dt)
+            return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
         if getattr(layer, "fp8_w_scale", None) is not None:
             from lqe.kernels import w8a8 as kw
 

@@ -13,8 +13,8 @@ CUDA kernel, its fragment-packed copy) and the kernel for each call's token coun
 GEMM, cuBLASLt ``torch._int_mm`` + Triton epilogue, or the lqe CUDA kernel; all with the scales, zero-point
 correction and bias in the epilogue). Dynamic per-token activations are quantized by the CUDA kernel of
 csrc/gemm/quant_per_token.cu (bit-exact with :func:`reference.per_token_quant_int8`), static per-tensor ones in torch.
-Dynamic symmetric ones may instead arrive quantized from the RMSNorm / SiLU-mul that produced them
-(:meth:`W8A8Int8Method.input_quant`, :class:`QuantizedActivation`, :mod:`lqe.layers.act_quant_fusion`).
+Any of them may instead arrive quantized from the RMSNorm / SiLU-mul that produced them, bit for bit as the layer
+would quantize them (:meth:`W8A8Int8Method.input_quant`, :class:`QuantizedActivation`, :mod:`lqe.layers.act_quant_fusion`).
 When no kernel can run, the torch path above runs and the reason is logged once per layer kind.
 """
 from __future__ import annotations
@@ -27,7 +27,8 @@ from lqe.quant_layers.base import LinearMethod, empty_param
 from lqe.kernels.canonical import CanonicalWeight
 from lqe.quant_layers.ct_scheme import CTScheme
 from lqe.quant_layers.loading import FLOAT_DTYPES, INT_DTYPES, add_param, drop_params, require_loaded
-from lqe.quant_layers.quantized_activation import INT8_PER_TOKEN_SYM, QuantizedActivation
+from lqe.quant_layers.quantized_activation import (INT8_PER_TOKEN_ASYM, INT8_PER_TOKEN_SYM, INT8_STATIC,
+                                                   ActQuant, QuantizedActivation)
 from lqe.quant_layers.wna16_kernels import cuda_kernels_declined, layer_kind, log_fallback_once, select_w4a16_kernel
 
 _INT_MM_BROKEN: set[str] = set()
@@ -90,6 +91,14 @@ def _per_token_quant_tp(x: torch.Tensor, symmetric: bool):
     return q[:, :-2].contiguous(), scale, azp
 
 
+def check_quantized_input(method: LinearMethod, layer: nn.Module, x: QuantizedActivation) -> None:
+    """A pre-quantized input must be in the scheme the layer offered (a static one with the layer's own scale)."""
+    spec = method.input_quant(layer)
+    if spec is None or spec.scheme != x.scheme or (spec.scale is not None and x.scale is not spec.scale):
+        raise ValueError(f"{getattr(layer, 'prefix', 'layer')}: got a {x.scheme} activation but this layer takes "
+                         f"{spec or 'only float'} input ({method.describe(layer)})")
+
+
 class W8A8Int8Method(LinearMethod):
     supports_tensor_parallel = True
 
@@ -145,6 +154,7 @@ class W8A8Int8Method(LinearMethod):
                 s_in, z_in = merge_static_input(layer.input_scale.data.float(), zps)
                 layer.register_buffer("in_scale", s_in)
                 layer.register_buffer("in_zp", z_in)
+                layer.in_zp_fusable = z_in is None or int(z_in.abs().max()) <= 1 << 15  # read here, not per call
             act = f"{'static per-tensor' if static else 'dynamic per-token'} {'sym' if a.symmetric else 'asym'}"
             if plan is not None:
                 mm = f"cuda {why}"
@@ -158,14 +168,20 @@ class W8A8Int8Method(LinearMethod):
             self.summary = f"w8a8 int8 {self.s.weights.strategy} weights, {act} activations, {mm}"
         drop_params(layer, ["weight", "weight_scale", "input_scale", "input_zero_point"])
 
-    def input_quant(self, layer: nn.Module) -> str | None:
-        """Dynamic symmetric per-token activations on the CUDA kernels' path, one tensor-parallel rank (a
-        row-parallel shard needs the all-reduced range): the producing op may quantize them (RMSNorm / SiLU-mul
-        fused with the quantization, :mod:`lqe.kernels.fused_quant`), bit for bit as ``_w8a8_cuda`` would."""
+    def input_quant(self, layer: nn.Module) -> ActQuant | None:
+        """On the CUDA kernels' path, one tensor-parallel rank (a row-parallel shard needs the all-reduced range): the
+        producing op may quantize the activations (RMSNorm / SiLU-mul fused with the quantization,
+        :mod:`lqe.kernels.fused_quant`), bit for bit as ``_w8a8_cuda`` would: dynamic per token, symmetric or
+        asymmetric, or static with this layer's scale and zero point (when ``|zero point| <= 2^15``, the fused
+        kernel's exact range; calibrated zero points lie in [-128, 127])."""
         a = self.s.input_activations
-        if a is None or not a.dynamic or not a.symmetric or getattr(layer, "tp_mode", None) is not None:
+        if a is None or getattr(layer, "tp_mode", None) is not None or getattr(layer, "w8a8_plan", None) is None:
             return None
-        return INT8_PER_TOKEN_SYM if getattr(layer, "w8a8_plan", None) is not None else None
+        if a.dynamic:
+            return ActQuant(INT8_PER_TOKEN_SYM if a.symmetric else INT8_PER_TOKEN_ASYM)
+        if not layer.in_zp_fusable:
+            return None
+        return ActQuant(INT8_STATIC, scale=layer.in_scale, zero_point=layer.in_zp)
 
     def apply(self, layer: nn.Module, x: torch.Tensor | QuantizedActivation,
               bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -197,17 +213,16 @@ class W8A8Int8Method(LinearMethod):
         return out if bias is None else out + bias.float()
 
     def _apply_quantized(self, layer: nn.Module, x: QuantizedActivation, bias: torch.Tensor | None) -> torch.Tensor:
-        """The input came quantized (dynamic symmetric per token) from the op that produced it: the int8 GEMM +
-        epilogue of the CUDA path, without the quantization; output dtypes as for a float input."""
-        if self.input_quant(layer) != x.scheme:
-            raise ValueError(f"{getattr(layer, 'prefix', 'layer')}: got a {x.scheme} activation but this layer takes "
-                             f"{self.input_quant(layer) or 'only float'} input ({self.describe(layer)})")
-        xq, s_a = x.rows()
-        out = self._w8a8_cuda(layer, None, bias, (xq, s_a, layer.params_dtype))
+        """The input came quantized (in this layer's scheme, :meth:`input_quant`) from the op that produced it: the
+        int8 GEMM + epilogue of the CUDA path, without the quantization; output dtypes as for a float input."""
+        check_quantized_input(self, layer, x)
+        xq, s_a, azp = x.rows()
+        out = self._w8a8_cuda(layer, None, bias, (xq, s_a, azp, layer.params_dtype))
         return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
 
     def _w8a8_cuda(self, layer: nn.Module, x: torch.Tensor | None, bias: torch.Tensor | None,
-                   quantized: tuple[torch.Tensor, torch.Tensor, torch.dtype] | None = None) -> torch.Tensor:
+                   quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.dtype] | None = None
+                   ) -> torch.Tensor:
         from lqe.kernels import w8a8 as kw
         from lqe.kernels.repack import PackedW8A8
 
@@ -217,9 +232,8 @@ class W8A8Int8Method(LinearMethod):
         if layer.w8a8_qweight is not None:
             packed = PackedW8A8(layer.w8a8_qweight, layer.w8a8_w_scale, layer.w8a8_colsum, k, n)
         wts = kw.W8A8Weights(layer.w8a8_w, layer.w8a8_w_scale, layer.w8a8_colsum, packed, table, k, n)
-        if quantized is not None:  # from the producing op (input_quant): dynamic symmetric per token
-            xq, s_a, dtype = quantized
-            azp = None
+        if quantized is not None:  # from the producing op (input_quant)
+            xq, s_a, azp, dtype = quantized
         else:
             x = x.to(layer.params_dtype)
             dtype = x.dtype
