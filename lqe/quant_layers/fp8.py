@@ -85,7 +85,8 @@ class FP8Method(LinearMethod):
             layer.register_buffer("fp8_in_scale", layer.input_scale.data.float().max().reshape(1) if static else None)
             act = "static per-tensor" if static else "dynamic per-token"
             self.summary = f"fp8 e4m3 {gran} weights, {act} fp8 activations, torch._scaled_mm (cuda)"
-        elif cuda and self.block_kernel_reason(layer) is None:
+        elif cuda and strategy == "block" and self.s.input_activations is not None and \
+                (why := self.block_kernel_reason(layer)) is None:
             # 128 x 128 weight blocks, 1 x 128 dynamic fp8 activation groups: the Triton block-scaled GEMM, every M
             layer.register_buffer("fp8_block_scale", scale.contiguous())  # [ceil(N/128), ceil(K/128)] float32
             self.summary = f"fp8 e4m3 {gran} weights, dynamic per-token-group (1x128) fp8 activations, triton-fp8-block (cuda)"

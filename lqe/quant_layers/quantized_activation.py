@@ -103,13 +103,13 @@ class QuantizedActivation:
         """``(q [M, K], scale, azp)``: the layout the W8A8 / FP8 kernels take (scale ``[M]`` per token, ``[M, G]`` per
         group, ``[1]`` static; azp ``[M]``, ``[1]`` or None)."""
         s = self.scale
-        s = s.reshape(-1) if s.shape[-1] == 1 else s.reshape(-1, s.shape[-1])
+        s = s.reshape(-1, s.shape[-1]) if self.scheme == FP8_PER_GROUP else s.reshape(-1)
         return self.q.reshape(-1, self.q.shape[-1]), s, None if self.azp is None else self.azp.reshape(-1)
 
     def dequantize(self) -> torch.Tensor:
         """The float activation it approximates (for inspection and tests; the fused path never calls it)."""
         q = self.q.float() - (0 if self.azp is None else self.azp.float())
         s = self.scale
-        if s.dim() == q.dim() and s.shape[-1] > 1:  # per 1 x G group
+        if self.scheme == FP8_PER_GROUP:
             return (q.unflatten(-1, (s.shape[-1], -1)) * s[..., None]).flatten(-2).to(self.dtype)
         return (q * s).to(self.dtype)
