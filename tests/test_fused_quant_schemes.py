@@ -63,3 +63,33 @@ def test_twins_are_the_reference_quantizers():
     assert torch.equal(q, static_quant_int8(fo.silu_and_mul_torch(a), scale, azp)) and s is scale and z is azp
     q0, s0, z0 = fq.silu_mul_quant_int8_any(a.reshape(5, 1, 96)[:0], symmetric=False)
     assert q0.shape == (0, 1, 48) and s0.shape == (0, 1, 1) and z0.shape == (0, 1, 1)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="ahead-of-time compilation needs triton's real JIT")
+@pytest.mark.parametrize("kernel", ["norm", "silu", "silu-chunked"])
+@pytest.mark.parametrize("mode,has_azp", [(0, False), (1, False), (2, False), (2, True)])
+def test_producers_compile_for_hopper(kernel, mode, has_azp):
+    """Every scheme's kernel compiles to sm_90 PTX without a GPU (the interpreter accepts code the JIT refuses), with
+    no register spills."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from lqe.kernels import fused_quant as fq
+
+    if kernel == "norm":
+        fn = fq._rms_norm_quant_kernel
+        consts = dict(HAS_RESIDUAL=True, MODE=mode, HAS_AZP=has_azp, BLOCK=4096)
+        types = dict(X="*bf16", R="*bf16", W="*bf16", ROut="*bf16", eps="fp32")
+    else:
+        fn = fq._silu_mul_quant_kernel
+        consts = dict(MODE=mode, HAS_AZP=has_azp, CHUNK=4096, NUM_CHUNKS=4 if kernel == "silu-chunked" else 1)
+        types = dict(X="*bf16")
+    types.update(Q="*i8", S="*fp32", Z="*i32", SS="*fp32", ZP="*i32")
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 8})
+    ptx = k.asm["ptx"]
+    assert ".local" not in ptx, "register spills to local memory"
+    assert "div.rn.f32" in ptx, "the scale / quotients must be correctly rounded divisions (tl.div_rn)"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 25 (W8A8 int8 and FP8 that beat bf16): `bash benchmarks/run_gpu.sh --w8a8`. About 7 minutes on an H100:
 #   1. build the CUDA kernels (common.sh),
-#   2. the GPU tests of the W8A8 / FP8 kernels: fused quantization bit-exactness (int8 and fp8), the GEMV, the fp8
-#      GEMMs, the int8 GEMMs (~1-2 min),
+#   2. the GPU tests of the W8A8 / FP8 kernels: fused quantization bit-exactness (int8 sym / asym / static, fp8) and
+#      the model-level link of every scheme, the GEMV, the fp8 GEMMs, the int8 GEMMs (~2-3 min),
 #   3. the kernel benchmark on the Llama-3-8B shapes at M = 1 16 64 256 1024: per-kernel rows, the layer rows
 #      (lqe-w8a8-layer, lqe-fp8-layer, lqe-fp8-block-layer against producer + cuBLAS bf16), the floors, and the
 #      W8A8 / FP8 tables the run implies -> $OUTDIR/kernels-$SLUG.json (~1.5 min),
@@ -11,15 +11,15 @@
 #   5. the end-to-end rows on the llama3-8b shape, same run: bf16, w8a8-online (int8 per-channel weights, dynamic
 #      per-token activations, quantized on load: the `w8a8` scheme without a 16 GB conversion) and fp8 (dynamic,
 #      quantized on load), no eager columns -> $OUTDIR/e2e-$SLUG.json (~3 min).
-# Time limits (s): LQE_TEST_TIMEOUT (150), LQE_KERNELS_TIMEOUT (150), LQE_SWEEP_TIMEOUT (150), LQE_E2E_TIMEOUT (240).
+# Time limits (s): LQE_TEST_TIMEOUT (200), LQE_KERNELS_TIMEOUT (150), LQE_SWEEP_TIMEOUT (150), LQE_E2E_TIMEOUT (240).
 # LQE_SKIP="tests kernels e2e" skips steps. Exit status non-zero when any step failed.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 rc=0
 skip() { [[ " ${LQE_SKIP:-} " == *" $1 "* ]]; }
 
 if ! skip tests; then
-  LQE_TEST_TIMEOUT=${LQE_TEST_TIMEOUT:-150} run_tests w8a8 tests/gpu/test_fused_act_quant.py \
-    tests/gpu/test_fused_act_quant_fp8.py tests/gpu/test_gemv_w8a8.py tests/gpu/test_triton_fp8_gemm.py \
+  LQE_TEST_TIMEOUT=${LQE_TEST_TIMEOUT:-200} run_tests w8a8 tests/gpu/test_fused_act_quant.py \
+    tests/gpu/test_fused_act_quant_schemes.py tests/gpu/test_fused_act_quant_fp8.py tests/gpu/test_gemv_w8a8.py tests/gpu/test_triton_fp8_gemm.py \
     tests/gpu/test_gemm_w8a8.py || rc=1
 fi
 

@@ -257,13 +257,48 @@ def test_fused_kernels_capture_in_a_cuda_graph():
 
 # ------------------------------------------------------------------------------------------------ model
 W8A8 = "ct-w8a8-dynamic-sym"
+FP8_BLOCK = "fp8-block-dynamic"
+# every scheme a producer emits: int8 dynamic sym / asym, int8 static sym / asym, fp8 per token, fp8 per 1x128 group
+LINKED = {W8A8: "int8-per-token-sym", "ct-w8a8-dynamic-asym": "int8-per-token-asym",
+          "ct-w8a8-static-sym-tensor-weights": "int8-static(sym)", "ct-w8a8-static-asym": "int8-static(asym)",
+          "ct-fp8-channel-dynamic": "fp8-per-token", FP8_BLOCK: "fp8-per-group(128)"}
 ENGINE = dict(device="cuda", max_num_seqs=8, max_cudagraph_batch=8, num_kv_blocks=80, block_size=8, max_model_len=96)
 NUM_REQUESTS = 6
 
 
+def _fp8_block_checkpoint(root: str) -> str:
+    """Llama with 128x128 block-scaled fp8 weights and dynamic activations (every shard and K a multiple of 128)."""
+    from helpers import build_tiny_model, write_quantized_checkpoint
+
+    base = build_tiny_model(os.path.join(root, "base-128"), "llama", tokenizer=False, hidden_size=128,
+                            intermediate_size=256, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2,
+                            vocab_size=1024, initializer_range=0.08)
+
+    def encode(name: str, w: torch.Tensor) -> dict:
+        n, k = w.shape
+        s = w.reshape(n // 128, 128, k // 128, 128).abs().amax((1, 3)).clamp(min=1e-12) / 448.0
+        q = (w / s.repeat_interleave(128, 0).repeat_interleave(128, 1)).clamp(-448, 448).to(torch.float8_e4m3fn)
+        return {"weight": q, "weight_scale": s}
+
+    group = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "block",
+                                                "block_structure": [128, 128]},
+             "input_activations": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128,
+                                   "dynamic": True}}
+    return write_quantized_checkpoint(base, os.path.join(root, FP8_BLOCK), encode, {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "ignore": ["lm_head"], "config_groups": {"group_0": group}})
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, str]:
-    return build_checkpoints(str(tmp_path_factory.mktemp("fused-act-quant")), [W8A8])
+    root = str(tmp_path_factory.mktemp("fused-act-quant"))
+    dirs = build_checkpoints(root, [name for name in LINKED if name != FP8_BLOCK])
+    dirs[FP8_BLOCK] = _fp8_block_checkpoint(root)
+    return dirs
+
+
+def _fp8_gpu() -> bool:
+    return torch.cuda.get_device_capability() >= (8, 9)
 
 
 def _generate(model_dir: str, dtype: str, eager: bool, fused: bool, monkeypatch) -> dict:
@@ -275,6 +310,7 @@ def _generate(model_dir: str, dtype: str, eager: bool, fused: bool, monkeypatch)
         llm = LLM(model_dir, dtype=dtype, enforce_eager=eager, **ENGINE)
         runner = llm.llm_engine.runner
         pairs = list(runner.fused_act_quant)
+        schemes = {str(m.output_quant) for m in runner.model.modules() if getattr(m, "output_quant", None) is not None}
         assert (runner.graph_runner is None) == eager
         prompts, lengths = gen_requests(NUM_REQUESTS)
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in lengths]
@@ -283,7 +319,7 @@ def _generate(model_dir: str, dtype: str, eager: bool, fused: bool, monkeypatch)
                            use_tqdm=False)[0].prompt_logprobs
         del llm, runner
     release_memory()
-    return {"pairs": pairs, "tokens": [list(o.token_ids) for o in outs],
+    return {"pairs": pairs, "schemes": schemes, "tokens": [list(o.token_ids) for o in outs],
             "logprobs": torch.tensor([o.logprobs[t][tok].logprob for o in outs for t, tok in enumerate(o.token_ids)]),
             "prompt": torch.tensor([plp[j][PROMPT[j]].logprob for j in range(1, len(PROMPT))])}
 
@@ -292,9 +328,26 @@ def _generate(model_dir: str, dtype: str, eager: bool, fused: bool, monkeypatch)
 @pytest.mark.parametrize("eager", [True, False])
 def test_w8a8_model_same_with_and_without_fusion(dtype, eager, checkpoints, monkeypatch):
     assert FORMATS[W8A8].path == "w8a8"
-    on = _generate(checkpoints[W8A8], dtype, eager, True, monkeypatch)
-    off = _generate(checkpoints[W8A8], dtype, eager, False, monkeypatch)
-    assert len(on["pairs"]) == 6 and {p.split(".")[2] for p, _ in on["pairs"]} == {"0", "1"}, on["pairs"]
+    _same_with_and_without_fusion(W8A8, dtype, eager, checkpoints, monkeypatch)
+
+
+@pytest.mark.parametrize("name", [n for n in LINKED if n != W8A8])
+def test_every_scheme_model_same_with_and_without_fusion(name, checkpoints, monkeypatch):
+    """Asymmetric / static int8 and fp8 (per token, per 1x128 group) producers linked into the model, with CUDA
+    graphs: the same tokens, the same logprobs up to float noise. On a GPU without FP8 the fp8 layers run weight-only
+    and nothing is linked."""
+    linked = not name.startswith(("ct-fp8", "fp8")) or _fp8_gpu()
+    _same_with_and_without_fusion(name, "bfloat16", False, checkpoints, monkeypatch, linked)
+
+
+def _same_with_and_without_fusion(name, dtype, eager, checkpoints, monkeypatch, linked=True):
+    on = _generate(checkpoints[name], dtype, eager, True, monkeypatch)
+    off = _generate(checkpoints[name], dtype, eager, False, monkeypatch)
+    if linked:
+        assert len(on["pairs"]) == 6 and {p.split(".")[2] for p, _ in on["pairs"]} == {"0", "1"}, on["pairs"]
+        assert on["schemes"] == {LINKED[name]}, on["schemes"]
+    else:
+        assert on["pairs"] == []
     assert off["pairs"] == []
     assert on["tokens"] == off["tokens"]
     # the quantized activations are the same bits, so everything downstream is too; allow only float noise
