@@ -11,6 +11,8 @@ from dataclasses import dataclass, fields
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names; fp8 = fp8_e4m3
+# vLLM's CUDAGraphMode names: decode-only steps from full graphs, mixed / prefill steps from piecewise graphs
+CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "NONE")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +33,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # exact block count, overrides both budgets (tests use it)
     enforce_eager: bool = False  # CUDA: no decode graphs (every step eager)
     max_cudagraph_batch: int = 256  # largest decode batch replayed from a CUDA graph (capped by max_num_seqs)
+    # CUDA graphs (CUDA, one rank): FULL_AND_PIECEWISE = decode graphs + piecewise graphs of mixed / prefill steps
+    # per token bucket (lqe.engine.piecewise); FULL_DECODE_ONLY = decode graphs only; NONE = like enforce_eager
+    cudagraph_mode: str = "FULL_AND_PIECEWISE"
+    max_piecewise_tokens: int | None = None  # largest piecewise token bucket (default and cap: max_num_batched_tokens)
     allow_nonfinite_weights: bool = False  # load NaN/inf weights or non-positive scales with a warning (else an error)
     revision: str | None = None
     trust_remote_code: bool = False
@@ -49,6 +55,13 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose one of "
                              f"{', '.join(KV_CACHE_DTYPES)} ('auto' keeps the model's dtype, 'fp8' = 'fp8_e4m3')")
+        if not isinstance(self.cudagraph_mode, str) or self.cudagraph_mode.upper() not in CUDAGRAPH_MODES:
+            raise ValueError(f"cudagraph_mode={self.cudagraph_mode!r} is not supported; choose one of "
+                             f"{', '.join(CUDAGRAPH_MODES)} (FULL_DECODE_ONLY turns the piecewise graphs of mixed and "
+                             "prefill steps off, NONE every graph)")
+        object.__setattr__(self, "cudagraph_mode", self.cudagraph_mode.upper())
+        if self.max_piecewise_tokens is not None:
+            _positive("max_piecewise_tokens", self.max_piecewise_tokens)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("block_size", self.block_size)

@@ -46,6 +46,9 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]
     # values every layer of the step shares (built by the first layer that needs them): see step_cached
     cache: dict = field(default_factory=dict)
+    # piecewise-graph capture (lqe.engine.piecewise): when set, every Attention call hands (layer, q, k, v) to it
+    # and returns what it returns (the static output the next captured piece reads) instead of attending
+    split_attention: Callable | None = None
 
 
 _CONTEXT: ForwardContext | None = None

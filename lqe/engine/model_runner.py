@@ -17,6 +17,9 @@ from lqe.config import EngineConfig
 from lqe.distributed.comm import tp_min_int
 from lqe.distributed.parallel_state import get_tp_rank, get_tp_size
 from lqe.engine.cuda_graph import CudaGraphRunner, batch_buckets, bucket_for
+from lqe.engine.graph_backends import CudaGraphBackend
+from lqe.engine.piecewise import PiecewiseRunner
+from lqe.engine.token_buckets import token_buckets
 from lqe.engine.scheduler import SchedulerOutput
 from lqe.engine.step_inputs import StepInputBuilder, StepInputs, StepLayout
 from lqe.forward_context import ForwardContext, set_forward_context
@@ -78,6 +81,8 @@ class ModelRunner:
         self.num_blocks = 0
         self.inputs: StepInputBuilder | None = None
         self.graph_runner: CudaGraphRunner | None = None
+        self.piecewise: PiecewiseRunner | None = None  # mixed / prefill steps by token bucket (lqe.engine.piecewise)
+        self.steps_by_path = {"decode_graph": 0, "piecewise": 0, "eager": 0}
         # host-time accounting (benchmarks): when on, each step waits for the GPU before sampling and counts it
         self.measure_gpu_wait = False
         self.gpu_wait_s = 0.0
@@ -158,22 +163,55 @@ class ModelRunner:
         ``runner_cls=EagerPaddedRunner`` runs the same padded decode path eagerly (any device: for tests)."""
         if runner_cls is CudaGraphRunner and (self.device.type != "cuda" or self.config.enforce_eager or self.tp_size > 1):
             return  # tensor-parallel steps run eagerly: no collectives are captured in graphs
+        if self.config.cudagraph_mode == "NONE" and runner_cls is CudaGraphRunner:
+            return
         self.graph_runner = runner_cls(
             self.model, self.kv_caches, self.inputs, self.buckets, self.table_width, self.max_model_len, self.block_size, self.decode_splits)
         self.graph_runner.capture()
+        self.capture_piecewise()
+
+    def capture_piecewise(self, backend=None, buckets: list[int] | None = None) -> None:
+        """Capture the piecewise graphs of mixed / prefill steps, one set per token bucket (after the decode graphs:
+        their memory pool is shared). Default: CUDA graphs, on CUDA only, with ``cudagraph_mode`` FULL_AND_PIECEWISE,
+        not ``enforce_eager``, one rank. ``backend=RecordingBackend()`` records the pieces as aten ops on any device
+        (tests); ``buckets`` overrides :func:`token_buckets` of ``max_piecewise_tokens``."""
+        if backend is None:
+            if (self.device.type != "cuda" or self.config.enforce_eager or self.tp_size > 1
+                    or self.config.cudagraph_mode != "FULL_AND_PIECEWISE"):
+                return
+            backend = CudaGraphBackend(pool=None if self.graph_runner is None else self.graph_runner.pool)
+        if buckets is None:
+            cap = self.config.max_num_batched_tokens
+            buckets = token_buckets(min(cap, self.config.max_piecewise_tokens or cap))
+        self.piecewise = PiecewiseRunner(self.model, self.kv_caches, self.inputs.device_buf, buckets, backend)
+        self.piecewise.capture()
+
+    def piecewise_bucket(self, sched: SchedulerOutput) -> int | None:
+        """The token bucket whose piecewise graphs run ``sched``, or ``None`` (decode graph or eager)."""
+        if self.piecewise is None or self.kv_calibrate:  # fp8 scales still to compute: an eager step
+            return None
+        return self.piecewise.bucket_for_step(sched, [] if self.graph_runner is None else self.graph_runner.buckets)
 
     # -- one step -------------------------------------------------------------------------------------
-    def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
-        """The step's flattened inputs and attention metadata (one host-to-device copy on CUDA)."""
-        return self.inputs.build(sched)
+    def prepare_inputs(self, sched: SchedulerOutput, pad_tokens: int | None = None) -> StepInputs:
+        """The step's flattened inputs and attention metadata (one host-to-device copy on CUDA); ``pad_tokens``:
+        padded to that token bucket (piecewise graphs)."""
+        return self.inputs.build(sched, pad_tokens=pad_tokens)
 
     @torch.inference_mode()
     def forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
         """Run the model on a scheduled step (K/V land in the cache); returns hidden states ``[T, hidden]``
-        and the step's inputs."""
-        inp = self.prepare_inputs(sched)
+        and the step's inputs. A step a token bucket covers replays its piecewise graphs: ``[bucket, hidden]``, the
+        rows past the step's tokens are padding."""
+        # fp8 KV scales still to compute (first prefill): an eager step, never a graph
+        bucket = self.piecewise_bucket(sched) if not self.kv_calibrate else None
+        inp = self.prepare_inputs(sched, bucket)
         if self.device.type == "cuda":
             inp.meta.num_splits = self.decode_splits(inp.meta.num_seqs)
+        if bucket is not None:
+            self.steps_by_path["piecewise"] += 1
+            return self.piecewise.run(bucket, inp), inp
+        self.steps_by_path["eager"] += 1
         calibrate, self.kv_calibrate = self.kv_calibrate, []
         for m in calibrate:  # eager steps only: a graph capture never sees the flag
             m.calculate_kv_scales = True
@@ -191,6 +229,7 @@ class ModelRunner:
         if self.graph_runner is not None and not self.kv_calibrate:  # fp8 scales still to compute: an eager step
             logits = self.graph_runner.run(sched)
             if logits is not None:
+                self.steps_by_path["decode_graph"] += 1
                 return StepResult(self._sample(logits, sched, sampling), {})
         hidden, inp = self.forward(sched)
         sampled = None

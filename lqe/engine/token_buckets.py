@@ -16,8 +16,9 @@ Which step takes which path (:func:`plan_step`): decode-only steps within the de
 graphs (:mod:`lqe.engine.cuda_graph`); other steps up to the largest token bucket take a token bucket; larger
 steps, ``enforce_eager`` and tensor-parallel engines run eagerly. Buckets step by 64 tokens up to 512, then by
 about a quarter (padding costs at most 1/8 of a step past 512), capped at ``max_num_batched_tokens``.
-The capture/replay half is not written yet (it needs a GPU to test); the padding it relies on is tested on CPU
-(tests/test_token_buckets.py: a padded step gives the unpadded step's hidden states and KV cache).
+Capture and replay: :mod:`lqe.engine.piecewise` (CUDA graphs on a GPU; on CPU the pieces are recorded as aten
+ops over the same static tensors, so tests/test_piecewise.py checks the whole path against the eager step); the
+padding it relies on: tests/test_token_buckets.py (a padded step gives the unpadded step's hidden states and KV).
 """
 from __future__ import annotations
 

@@ -43,15 +43,22 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
+        if ctx.split_attention is not None:  # piecewise-graph capture: the cut point (lqe.engine.piecewise)
+            return ctx.split_attention(self, q, k, v)
+        if self.calculate_kv_scales:
+            t = q.shape[0]
+            self.calc_kv_scales(k.view(t, self.num_kv_heads, self.head_dim), v.view(t, self.num_kv_heads, self.head_dim),
+                                ctx.attn_metadata.slot_mapping)
+        return self.attend(q, k, v, ctx.attn_metadata, ctx.kv_caches[self.layer_idx])
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, cache: torch.Tensor) -> torch.Tensor:
+        """Store ``k``/``v`` and attend with ``meta`` over this layer's ``cache``: ``[T, heads * head_dim]``. The
+        piecewise-graph replay calls it between two captured pieces with the step's real metadata."""
         t = q.shape[0]
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        cache = ctx.kv_caches[self.layer_idx]
-        if self.calculate_kv_scales:
-            self.calc_kv_scales(k, v, ctx.attn_metadata.slot_mapping)
         scales = (self.k_scale, self.v_scale) if cache.element_size() == 1 else ()
-        out = self.backend.forward(q.view(t, self.num_heads, self.head_dim), k, v, cache, ctx.attn_metadata,
-                                   self.scale, *scales)
+        out = self.backend.forward(q.view(t, self.num_heads, self.head_dim), k, v, cache, meta, self.scale, *scales)
         return out.reshape(t, self.num_heads * self.head_dim)
 
     @torch.no_grad()
