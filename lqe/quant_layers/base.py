@@ -46,8 +46,8 @@ class LinearMethod(ABC):
         """One line for the start-up log: which path this layer runs on."""
         return type(self).__name__
 
-    def input_quant(self, layer: nn.Module) -> str | None:
-        """The activation quantization scheme (:mod:`lqe.quant_layers.quantized_activation`) in which ``apply``
+    def input_quant(self, layer: nn.Module) -> "ActQuant | None":
+        """The activation quantization (:class:`lqe.quant_layers.quantized_activation.ActQuant`) in which ``apply``
         also takes its input pre-quantized by the op producing it, or ``None`` (the default: float input only).
         Asked once after ``process_weights_after_loading``."""
         return None
