@@ -259,6 +259,10 @@ def run_variant(model_dir: Path, args, vocab: int, shape: str) -> dict:
     if runner.graph_runner is not None:
         row["graph_capture_s"] = round(runner.graph_runner.capture_seconds, 2)
         row["graph_pool_mib"] = round(runner.graph_runner.pool_bytes / 2**20, 1)
+    if runner.piecewise is not None:  # mixed / prefill steps replay piecewise graphs (issue 26)
+        row["piecewise_buckets"] = len(runner.piecewise.buckets)
+        row["piecewise_capture_s"] = round(runner.piecewise.capture_seconds, 2)
+        row["piecewise_pool_mib"] = round(runner.piecewise.pool_bytes / 2**20, 1)
     row.update(_decode_columns(llm, args, vocab, ""))
     if runner.graph_runner is not None:
         row["gpu_ms_step_bs1"] = runner.graph_runner.time_replay(1, 128 + 128)
@@ -268,7 +272,9 @@ def run_variant(model_dir: Path, args, vocab: int, shape: str) -> dict:
     row["weight_bytes"] = decode_weight_bytes(llm)
     # the issue-26 workload: throughput_tok_s / total_tok_s keep their names (same protocol: lengths uniform in
     # [100, 1024], seeded), now with the GPU-busy fraction and the roofline floor of the same run
+    paths_before = dict(runner.steps_by_path)
     t = throughput_256(llm, SamplingParams, args.num_requests, vocab, args.seed)
+    row["steps_by_path_256"] = {k: v - paths_before[k] for k, v in runner.steps_by_path.items()}
     row["throughput_tok_s"], row["total_tok_s"] = t["out_tok_s"], t["total_tok_s"]
     row["throughput_256_tok_s"] = t["out_tok_s"]
     row["gpu_busy_256"] = round(t["gpu_s"] / t["seconds"], 3)

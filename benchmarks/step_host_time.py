@@ -24,6 +24,13 @@ inflates the figures less than wall time would; on CUDA it is wall time (``perf_
 
     python benchmarks/step_host_time.py                                # CPU, smollm2 shape, JSON in benchmarks/results
     python benchmarks/step_host_time.py --device cuda --width-div 1    # a GPU: the real host time of the eager step
+
+``--paths eager,piecewise`` (the CUDA default) measures the same steps twice in one run: ``eager`` with decode graphs
+only (``cudagraph_mode=FULL_DECODE_ONLY``: the mixed step runs eagerly) and ``piecewise`` (``FULL_AND_PIECEWISE``:
+the mixed step replays its token bucket's piecewise graphs, :mod:`lqe.engine.piecewise`); the piecewise row carries
+``host_ms_ratio_vs_eager`` and both carry ``gpu_floor_ms`` (the step's weight bytes / peak bandwidth or its matmul
+FLOPs / peak FLOP/s, whichever is larger) beside ``host_ms_per_step``. ``steps_by_path`` counts which path the
+measured steps took. The piecewise path exists on CUDA only (CPU pieces are a recording for tests, not a speed path).
 """
 from __future__ import annotations
 
@@ -111,7 +118,8 @@ def measure(model_dir: str, args) -> dict:
 
     cfg = EngineConfig(model=model_dir, device=args.device, dtype=args.dtype, max_model_len=2048,
                        max_num_seqs=args.decodes + 1, max_num_batched_tokens=args.decodes + args.chunk,
-                       enable_prefix_caching=False, kv_cache_memory_bytes=args.kv_mib << 20)
+                       enable_prefix_caching=False, kv_cache_memory_bytes=args.kv_mib << 20,
+                       cudagraph_mode="FULL_AND_PIECEWISE" if args.path == "piecewise" else "FULL_DECODE_ONLY")
     engine = LLMEngine(cfg)
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -137,6 +145,7 @@ def measure(model_dir: str, args) -> dict:
             timer.wrap(m, "forward", "attention")
     steps = []
     runner.measure_gpu_wait = engine.device.type == "cuda"
+    paths_before = dict(runner.steps_by_path)
     for i in range(args.warmup + args.steps):
         runner.gpu_wait_s = 0.0
         timer.take()
@@ -147,6 +156,9 @@ def measure(model_dir: str, args) -> dict:
         ph["step"], ph["gpu_wait"] = step_s, runner.gpu_wait_s
         if i >= args.warmup:
             steps.append(ph)
+        else:
+            paths_before = dict(runner.steps_by_path)
+    by_path = {k: v - paths_before[k] for k, v in runner.steps_by_path.items()}  # the measured steps' paths
     layers = engine.model_config.num_hidden_layers
     med = {k: statistics.median(s.get(k, 0.0) for s in steps) * 1e3 for k in PHASES + ("gpu_wait",)}
     row = {f"{k}_ms": round(v, 3) for k, v in med.items()}
@@ -156,7 +168,28 @@ def measure(model_dir: str, args) -> dict:
     row["other_ms"] = round(med["step"] - med["schedule"] - med["prep"] - med["forward"] - med["sample"], 3)
     row["ops_per_step"] = count_ops(engine.step)
     row["layers"] = layers
+    row["steps_by_path"] = by_path
+    if runner.piecewise is not None:
+        row["piecewise_capture_s"] = round(runner.piecewise.capture_seconds, 2)
+        row["piecewise_buckets"] = runner.piecewise.buckets
+    if engine.device.type == "cuda":
+        row.update(gpu_floor(runner, args.decodes + args.chunk))
+    engine.shutdown()  # weights, KV cache and graphs go before the next path's engine
     return row
+
+
+def gpu_floor(runner, tokens: int) -> dict:
+    """The mixed step's GPU floor: its weights read once at peak bandwidth, or its matmul FLOPs (2 x parameters x
+    tokens, attention excluded) at peak FLOP/s, whichever is larger."""
+    from workload import peaks_for
+
+    peaks = peaks_for(torch.cuda.get_device_name())
+    if peaks is None:
+        return {"gpu_floor_ms": None, "gpu_floor_note": f"no peaks known for {torch.cuda.get_device_name()}"}
+    wbytes = runner.weight_bytes()
+    params = wbytes // runner.dtype.itemsize
+    return {"gpu_floor_ms": round(max(wbytes / peaks[1], 2 * params * tokens / peaks[0]) * 1e3, 3),
+            "weight_bytes": wbytes}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,26 +203,45 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--kv-mib", type=int, default=512)
-    ap.add_argument("--label", default="", help="a name for this row (e.g. before / after)")
+    ap.add_argument("--label", default="", help="a name for this row (e.g. before / after); the path is appended")
+    ap.add_argument("--paths", default=None,
+                    help="comma list of eager,piecewise (default: eager,piecewise on CUDA, eager on CPU)")
     ap.add_argument("--out", default=None, help="JSON file to append the row to (default: print only)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA GPU is visible")
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     args.width_div = args.width_div or (1 if args.device == "cuda" else 8)
+    paths = (args.paths or ("eager,piecewise" if args.device == "cuda" else "eager")).split(",")
+    for p in paths:
+        if p not in ("eager", "piecewise"):
+            ap.error(f"--paths: unknown path {p!r}; choose from eager, piecewise")
+        if p == "piecewise" and args.device != "cuda":
+            ap.error("--paths piecewise needs --device cuda: piecewise graphs are CUDA graphs (on CPU the pieces are "
+                     "only a recording for tests)")
     if args.device == "cpu":
         torch.set_num_threads(1)  # every op on the timed thread
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         cfg, model_cls = scaled_config(args.shape, args.width_div)
         model_dir = write_random_checkpoint(cfg, model_cls, Path(tmp) / "model", seed=0)
-        row = {"label": args.label, "shape": args.shape, "device": args.device, "dtype": args.dtype,
-               "width_div": args.width_div, "decodes": args.decodes, "chunk": args.chunk, "steps": args.steps, "clock": "thread_time" if args.device == "cpu" else "wall",
-               **measure(str(model_dir), args)}
-    print(json.dumps(row))
+        for p in paths:
+            args.path = p
+            row = {"label": f"{args.label} {p}".strip(), "path": p, "shape": args.shape, "device": args.device,
+                   "dtype": args.dtype, "width_div": args.width_div, "decodes": args.decodes, "chunk": args.chunk,
+                   "steps": args.steps, "clock": "thread_time" if args.device == "cpu" else "wall",
+                   **measure(str(model_dir), args)}
+            if p != "eager" and rows and rows[0]["path"] == "eager":
+                row["host_ms_ratio_vs_eager"] = round(row["host_ms_per_step"] / rows[0]["host_ms_per_step"], 3)
+            rows.append(row)
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    for row in rows:
+        print(json.dumps(row))
     if args.out:
         path = Path(args.out)
         doc = json.loads(path.read_text()) if path.exists() else {"env": env_info(), "rows": []}
-        doc["rows"].append(row)
+        doc["rows"].extend(rows)
         path.write_text(json.dumps(doc, indent=1))
     return 0
 

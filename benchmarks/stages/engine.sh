@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Issue 26 (engine throughput): `bash benchmarks/run_gpu.sh --engine`. Under 8 minutes on an H100:
-#   1. the CUDA-graph GPU tests (tests/gpu/test_cuda_graphs.py);
-#   2. host ms per eager mixed step (32 decodes + a 224-token prefill), per phase, real widths:
-#      benchmarks/step_host_time.py --device cuda -> $OUTDIR/step-host-time-$SLUG.json (smollm2, qwen2.5-0.5b);
+#   1. the CUDA-graph GPU tests (tests/gpu/test_cuda_graphs.py, tests/gpu/test_piecewise_gpu.py: piecewise graphs of
+#      mixed steps == eager, float and W4A16, no hidden host sync);
+#   2. host ms per mixed step (32 decodes + a 224-token prefill), per phase, real widths, eager beside piecewise
+#      graphs in the same run (host_ms_ratio_vs_eager, gpu_floor_ms): benchmarks/step_host_time.py --device cuda
+#      --paths eager,piecewise -> $OUTDIR/step-host-time-$SLUG.json (smollm2, qwen2.5-0.5b);
 #   3. the 256-request workload rows (throughput_256_tok_s, gpu_busy_256, floor_256_s beside time_256_s) for
 #      bf16 and w4a16 on the qwen2.5-0.5b shape (256 requests) and the llama3-8b shape (LQE_ENGINE_REQUESTS_8B,
 #      default 64 requests: the full 256 take ~160 s per variant at today's 917 tok/s, which with the 8B checkpoint
@@ -10,10 +12,10 @@
 #      -> $OUTDIR/e2e-$SLUG.json (rows of other shapes/variants there are kept).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 rc=0
-run_tests engine tests/gpu/test_cuda_graphs.py || rc=1
+run_tests engine tests/gpu/test_cuda_graphs.py tests/gpu/test_piecewise_gpu.py || rc=1
 for shape in smollm2-135m qwen2.5-0.5b; do
-  timeout 120 python benchmarks/step_host_time.py --device cuda --shape "$shape" --label "$shape eager" \
-    --out "$OUTDIR/step-host-time-$SLUG.json" | tail -1 || rc=1
+  timeout 150 python benchmarks/step_host_time.py --device cuda --shape "$shape" --label "$shape" \
+    --paths eager,piecewise --out "$OUTDIR/step-host-time-$SLUG.json" | tail -2 || rc=1
 done
 timeout "${LQE_ENGINE_E2E_TIMEOUT:-200}" python benchmarks/e2e_gpu.py --shapes qwen2.5-0.5b --variants bf16,w4a16 \
   --no-eager --num-requests 256 --out-dir "$OUTDIR" || rc=1
