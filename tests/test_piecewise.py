@@ -23,10 +23,12 @@ def _llm(model_dir, **kw):
     return LLM(model_dir, **{**base, **kw})
 
 
-def test_padded_step_replays_the_eager_step_exactly(tiny_llama_dir):
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
+def test_padded_step_replays_the_eager_step_exactly(model, request):
     """One mixed step (a decode beside a 23-token prefill chunk), piecewise vs the eager forward of the same padded
-    inputs: the same hidden states (real rows), logits, KV cache, bit for bit; the captured pieces are layers + 1."""
-    llm = _llm(tiny_llama_dir, enable_prefix_caching=False)
+    inputs: the same hidden states (real rows), logits, KV cache, bit for bit; the captured pieces are layers + 1.
+    Llama, Qwen2 (qkv bias, untied head) and Qwen3 (q/k norms before rotary)."""
+    llm = _llm(request.getfixturevalue(model), enable_prefix_caching=False)
     engine, runner = llm.llm_engine, llm.llm_engine.runner
     backend = RecordingBackend()
     runner.capture_piecewise(backend, BUCKETS)
