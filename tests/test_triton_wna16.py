@@ -141,13 +141,20 @@ def test_sweep_lists_table_config_first():
 def test_table_falls_back_to_counterparts():
     from lqe.kernels import dispatch, gemm
 
-    both = gemm._table_for("t", True, True)
+    table = tuple(dispatch.WNA16_TABLE)
+    both = gemm._table_for("t", True, True, False, table)
     assert [name for _, name in both] == [name for _, name in dispatch.WNA16_TABLE]
-    only_cuda = gemm._table_for("t", True, False)
+    only_cuda = gemm._table_for("t", True, False, False, table)
     assert not any(name.startswith("triton") for _, name in only_cuda)
-    only_triton = gemm._table_for("t", False, True)
+    only_triton = gemm._table_for("t", False, True, False, table)
     assert all(name.startswith("triton") for _, name in only_triton)
     assert dispatch.WNA16_TABLE[-1][0] is None
+    # a layer repacked for lqe-w4a16-mma runs every row on that layout (the mma GEMM or its dequantize + cuBLAS)
+    mma = gemm._table_for("t", True, True, True, tuple(dispatch.WNA16_MMA_TABLE))
+    assert all(name.startswith("lqe-w4a16-mma") for _, name in mma)
+    # and an mma row met by a plain-layout layer becomes its counterpart
+    plain = gemm._table_for("t", True, True, False, tuple(dispatch.WNA16_MMA_TABLE))
+    assert not any(name.startswith("lqe-w4a16-mma") for _, name in plain)
 
 
 @pytest.mark.skipif(not HAS_TRITON or os.environ.get("TRITON_INTERPRET") == "1", reason="needs the real Triton JIT")
