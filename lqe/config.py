@@ -37,6 +37,9 @@ class EngineConfig:
     # per token bucket (lqe.engine.piecewise); FULL_DECODE_ONLY = decode graphs only; NONE = like enforce_eager
     cudagraph_mode: str = "FULL_AND_PIECEWISE"
     max_piecewise_tokens: int | None = None  # largest piecewise token bucket (default and cap: max_num_batched_tokens)
+    # vLLM's async scheduling: schedule and prepare step N+1 while the device runs step N (one rank; steps that need
+    # the previous tokens on the host -- penalties, structured output, prompt logprobs -- wait for them first)
+    async_scheduling: bool = False
     allow_nonfinite_weights: bool = False  # load NaN/inf weights or non-positive scales with a warning (else an error)
     revision: str | None = None
     trust_remote_code: bool = False

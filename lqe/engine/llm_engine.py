@@ -13,6 +13,7 @@ import torch
 
 from lqe.config import EngineConfig
 from lqe.engine import detokenizer
+from lqe.engine.async_steps import AsyncStepper
 from lqe.engine.block_manager import BlockManager
 from lqe.engine.model_runner import ModelRunner, StepResult
 from lqe.engine.scheduler import Scheduler, SchedulerOutput
@@ -90,6 +91,8 @@ class LLMEngine:
             self.runner.capture_cuda_graphs()
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        # async scheduling (lqe.engine.async_steps): one rank only (workers run each step as it comes)
+        self.async_stepper = AsyncStepper(self) if config.async_scheduling and self.tp is None else None
         self.requests: dict[str, _Request] = {}
         self.structured = None  # StructuredOutputs, built on the first request that asks for it
         self._seq_ids = itertools.count()
@@ -214,7 +217,7 @@ class LLMEngine:
                     self.scheduler.finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or (self.async_stepper is not None and self.async_stepper.inflight is not None)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -225,6 +228,8 @@ class LLMEngine:
     # -- the loop -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self._check_open()
+        if self.async_stepper is not None:
+            return self.async_stepper.step()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -272,24 +277,26 @@ class LLMEngine:
                 self.prompt_tokens_total += min(s.num_new_tokens, seq.num_prompt_tokens - s.start)
             if not s.samples:
                 continue
-            token = result.sampled.token_ids[k]
-            lp = result.sampled.logprobs[k]
+            self._accept_token(seq, result.sampled.token_ids[k], result.sampled.logprobs[k])
             k += 1
-            seq.append_token(token)
-            self.generation_tokens_total += 1
-            if lp is not None:
-                d = {token: (lp.token_logprob, lp.rank)}
-                for r, (tid, v) in enumerate(zip(lp.top_ids, lp.top_logprobs)):
-                    d.setdefault(tid, (v, r + 1))
-                seq.output_logprobs.append(d)
-                seq.cumulative_logprob += lp.token_logprob
-            self._check_stop(seq, token)
-            if self.structured is not None:
-                done = self.structured.accept(seq.seq_id, token)
-                if done and not seq.is_finished:  # the grammar is complete (its stop token was ignore_eos'd)
-                    self._finish(seq, "stop", None)
             touched[seq.request_id] = None
         return [self._request_output(self.requests[rid]) for rid in touched if rid in self.requests]
+
+    def _accept_token(self, seq: Sequence, token: int, lp) -> None:
+        """Append a sampled token with its logprobs, then the stop checks (and the grammar's)."""
+        seq.append_token(token)
+        self.generation_tokens_total += 1
+        if lp is not None:
+            d = {token: (lp.token_logprob, lp.rank)}
+            for r, (tid, v) in enumerate(zip(lp.top_ids, lp.top_logprobs)):
+                d.setdefault(tid, (v, r + 1))
+            seq.output_logprobs.append(d)
+            seq.cumulative_logprob += lp.token_logprob
+        self._check_stop(seq, token)
+        if self.structured is not None:
+            done = self.structured.accept(seq.seq_id, token)
+            if done and not seq.is_finished:  # the grammar is complete (its stop token was ignore_eos'd)
+                self._finish(seq, "stop", None)
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params

@@ -87,8 +87,9 @@ class ModelRunner:
         self.measure_gpu_wait = False
         self.gpu_wait_s = 0.0
         self.host_syncs = 0  # device-to-host syncs (to_host calls): one per sampling step
-        self._pinned: torch.Tensor | None = None  # to_host's staging buffer
-        self._copied: torch.cuda.Event | None = None
+        self._pinned: list[torch.Tensor] | None = None  # to_host's two staging buffers and their events
+        self._copied: list[torch.cuda.Event] | None = None
+        self._pin_turn = 0
 
     # -- memory ---------------------------------------------------------------------------------------
     def weight_bytes(self) -> int:
@@ -138,8 +139,8 @@ class ModelRunner:
         self.buckets = batch_buckets(self.config.max_num_seqs, self.config.max_cudagraph_batch)
         tokens = max(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         seqs = self.config.max_num_seqs
-        self.inputs = StepInputBuilder(self.device, self.block_size,
-                                       StepLayout(tokens, seqs, needed, tokens).size)
+        self.inputs = StepInputBuilder(self.device, self.block_size,  # + rows/sources of pending tokens (async)
+                                       StepLayout(tokens, seqs, needed, tokens).size + 2 * seqs)
 
     def _setup_kv_scales(self) -> None:
         """fp8 cache: layers without checkpoint scales get theirs from the first prefill (see :meth:`forward`)."""
@@ -254,22 +255,52 @@ class ModelRunner:
         """The step's one device-to-host sync: ``t`` (int64) as a list. Counted in :attr:`host_syncs`. On CUDA a
         non-blocking copy into pinned memory and a wait on its event (no stream or device synchronize), the wait
         timed into :attr:`gpu_wait_s` when :attr:`measure_gpu_wait` is on."""
+        return self.to_host_wait(self.to_host_start(t))
+
+    def to_host_start(self, t: torch.Tensor):
+        """Start :meth:`to_host`'s copy (two pinned buffers alternate, so two steps may be in flight)."""
         self.host_syncs += 1
         if t.device.type != "cuda":
-            return t.tolist()
+            return t, None
         n = t.numel()
-        if self._pinned is None or self._pinned.numel() < n:
-            self._pinned = torch.empty(max(n, 4096), dtype=torch.int64, pin_memory=True)
-        host = self._pinned[:n].view(t.shape)
+        if self._pinned is None or self._pinned[0].numel() < n:
+            self._pinned = [torch.empty(max(n, 4096), dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            self._copied = [torch.cuda.Event(), torch.cuda.Event()]
+        i = self._pin_turn = (self._pin_turn + 1) % 2
+        host = self._pinned[i][:n].view(t.shape)
         host.copy_(t, non_blocking=True)
-        if self._copied is None:
-            self._copied = torch.cuda.Event()
-        self._copied.record()
-        t0 = time.perf_counter()
-        self._copied.synchronize()
-        if self.measure_gpu_wait:
-            self.gpu_wait_s += time.perf_counter() - t0
+        self._copied[i].record()
+        return host, self._copied[i]
+
+    def to_host_wait(self, started) -> list:
+        host, event = started
+        if event is not None:
+            t0 = time.perf_counter()
+            event.synchronize()
+            if self.measure_gpu_wait:
+                self.gpu_wait_s += time.perf_counter() - t0
         return host.tolist()
+
+    @torch.inference_mode()
+    def execute_async(self, sched: SchedulerOutput, sampling: SamplingBatch | None) -> "PendingStep":
+        """Launch a step (model, LM head, sampling) and start its one device-to-host copy without waiting for it:
+        :meth:`PendingStep.result` waits. For async scheduling (:mod:`lqe.engine.async_steps`): no prompt logprobs,
+        one rank. ``PendingStep.tokens`` holds the sampled ids on the device (the next step's pending inputs)."""
+        logits = None
+        if self.graph_runner is not None and not self.kv_calibrate:
+            logits = self.graph_runner.run(sched)
+            if logits is not None:
+                self.steps_by_path["decode_graph"] += 1
+        if logits is None:
+            hidden, inp = self.forward(sched)
+            if inp.num_sample:
+                logits = self.model.compute_logits(hidden if inp.sample_rows is None else hidden[inp.sample_rows])
+        if logits is None:
+            return PendingStep(self, sched, sampling, None, None, None)
+        finite = torch.isfinite(logits).all(dim=-1)
+        tokens, raw_logprobs = self.sampler.sample_tokens(logits, sampling)
+        both = torch.stack([tokens.long(), finite.long()])
+        return PendingStep(self, sched, sampling, both[0], raw_logprobs, self.to_host_start(both))
 
     def _prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor, qsl: list[int]):
         result: dict[int, list[tuple[int, dict[int, tuple[float, int]]]]] = {}
@@ -300,6 +331,22 @@ class ModelRunner:
                     entries.append((c0 + 1 + j, d))
             result[i] = entries
         return result
+
+
+class PendingStep:
+    """A launched step whose sampled tokens are still on their way to the host."""
+
+    def __init__(self, runner: ModelRunner, sched: SchedulerOutput, sampling, tokens, raw_logprobs, started) -> None:
+        self.runner, self.sched, self.sampling = runner, sched, sampling
+        self.tokens, self.raw_logprobs, self.started = tokens, raw_logprobs, started
+
+    def result(self) -> StepResult:
+        if self.started is None:
+            return StepResult(None, {})
+        token_list, ok = self.runner.to_host_wait(self.started)
+        raise_if_nonfinite(ok, self.sched)
+        logprobs = self.runner.sampler.logprobs(self.raw_logprobs, token_list, self.sampling)
+        return StepResult(SamplerOutput(token_list, logprobs), {})
 
 
 class NonFiniteLogitsError(RuntimeError):

@@ -56,12 +56,17 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, skip=None) -> SchedulerOutput:
+        """``skip(seq)``: running sequences to leave out of this step (async scheduling: those certain to finish
+        once the step in flight returns their last token)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if skip is not None and skip(seq):
+                i += 1
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             need = self.bm.blocks_needed(seq, seq.num_computed_tokens + n)
             while not self.bm.can_allocate(need) and self.running[-1] is not seq:

@@ -173,6 +173,9 @@ class StepInputBuilder:
         self._events: list[torch.cuda.Event | None] = [None] * n_host
         self._turn = 0
         self.device_buf = torch.zeros(capacity, dtype=torch.int32, device=device) if self.on_cuda else self._host[0]
+        # async scheduling: (device token ids of the step in flight, {seq_id: (position, row in those ids)}) -- the
+        # next fill writes those tokens into its ids on the device (the host only has placeholders for them)
+        self.pending: tuple[torch.Tensor, dict[int, tuple[int, int]]] | None = None
 
     def fill(self, sched: SchedulerOutput, pad_seqs: int | None = None, width: int | None = None,
              logits_for_all: bool = False, pad_tokens: int | None = None) -> StepLayout:
@@ -182,13 +185,42 @@ class StepInputBuilder:
         ev = self._events[i]
         if ev is not None:
             ev.synchronize()  # the copy that last read this pinned buffer has finished
-        lay = fill_host(self._host_np[i], sched, self.block_size, pad_seqs, width, logits_for_all, pad_tokens)
+        host = self._host_np[i]
+        lay = fill_host(host, sched, self.block_size, pad_seqs, width, logits_for_all, pad_tokens)
+        n = self._pending_rows(host, lay, sched)
         if self.on_cuda:
-            self.device_buf[:lay.size].copy_(self._host[i][:lay.size], non_blocking=True)
+            self.device_buf[:lay.size + 2 * n].copy_(self._host[i][:lay.size + 2 * n], non_blocking=True)
             if ev is None:
                 ev = self._events[i] = torch.cuda.Event()
             ev.record()
+        if n:
+            src, dev = self.pending[0], self.device_buf
+            rows, idx = dev[lay.size:lay.size + n].long(), dev[lay.size + n:lay.size + 2 * n].long()
+            dev.index_copy_(0, rows, src.index_select(0, idx).to(dev.dtype))
+        self.pending = None
         return lay
+
+    def _pending_rows(self, host: np.ndarray, lay: StepLayout, sched: SchedulerOutput) -> int:
+        """Write the rows of the step's pending tokens (placeholders in the host ids) and their source rows after
+        the layout, for :meth:`fill` to copy and scatter; their count."""
+        if self.pending is None:
+            return 0
+        where = self.pending[1]
+        rows, src = [], []
+        qsl = host[lay.query_start_loc:lay.seq_lens]
+        for k, s in enumerate(sched.scheduled):
+            w = where.get(s.seq.seq_id)
+            if w is not None and s.start <= w[0] < s.start + s.num_new_tokens:
+                rows.append(int(qsl[k]) + w[0] - s.start)
+                src.append(w[1])
+        n = len(rows)
+        ids = host[lay.ids:lay.positions]
+        if int((ids < 0).sum()) != n or any(ids[r] >= 0 for r in rows):
+            raise RuntimeError(f"async scheduling: {int((ids < 0).sum())} placeholder token ids in the step but {n} "
+                               "pending tokens to fill them")
+        host[lay.size:lay.size + n] = rows
+        host[lay.size + n:lay.size + 2 * n] = src
+        return n
 
     def last_host(self) -> np.ndarray:
         """The host array :meth:`fill` wrote last."""
