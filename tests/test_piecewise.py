@@ -119,6 +119,21 @@ def test_prompt_logprobs_and_large_steps_run_eagerly(tiny_llama_dir):
     assert runner.steps_by_path["eager"] == 2  # the prompt-logprobs prefill and the 90-token prefill
 
 
+def test_capture_budget_leaves_small_buckets_eager(tiny_llama_dir):
+    """Past the capture time budget the smaller buckets are not captured; their steps run eagerly (not padded to a
+    much larger bucket), the captured ones still replay."""
+    llm = _llm(tiny_llama_dir, enable_prefix_caching=False)
+    runner = llm.llm_engine.runner
+    runner.piecewise = PiecewiseRunner(runner.model, runner.kv_caches, runner.inputs.device_buf, BUCKETS,
+                                       RecordingBackend())
+    runner.piecewise.capture(max_seconds=0.0)  # the largest bucket always; the budget is spent after it
+    assert runner.piecewise.buckets == [64]
+    greedy = SamplingParams(max_tokens=1, temperature=0)
+    llm.generate([list(range(5, 15))], greedy, use_tqdm=False)  # 10 tokens: bucket 16, not captured
+    llm.generate([list(range(5, 60))], greedy, use_tqdm=False)  # 55 tokens: bucket 64
+    assert runner.steps_by_path == {"decode_graph": 0, "piecewise": 1, "eager": 1}
+
+
 def test_recording_refuses_a_host_sync_inside_a_piece():
     class Syncs(torch.nn.Module):
         def forward(self, ids, pos):

@@ -36,7 +36,7 @@ from lqe.forward_context import ForwardContext, set_forward_context
 
 logger = logging.getLogger("lqe")
 
-CAPTURE_SECONDS = 120.0  # stop capturing smaller buckets past this (they then pad to a larger captured bucket)
+CAPTURE_SECONDS = 120.0  # stop capturing smaller buckets past this (their steps then run eagerly)
 CAPTURE_RESERVE_BYTES = 512 << 20  # ... or when less GPU memory than this is free
 
 
@@ -154,8 +154,9 @@ class PiecewiseRunner:
         """The captured token bucket this step replays, or ``None`` (a decode graph or the eager path runs it)."""
         if not self.buckets:
             return None
-        route, bucket = plan_step(sched, decode_buckets, self.buckets)
-        return bucket if route == "piecewise" else None
+        route, bucket = plan_step(sched, decode_buckets, self.wanted)
+        # a bucket the capture budget skipped runs eagerly rather than padded to a much larger captured bucket
+        return bucket if route == "piecewise" and bucket in self.graphs else None
 
     def run(self, bucket: int, inp: StepInputs) -> torch.Tensor:
         """Replay ``bucket`` for a step built with ``pad_tokens=bucket``; its hidden states ``[bucket, hidden]``
