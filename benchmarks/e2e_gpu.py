@@ -154,17 +154,20 @@ def throughput_256(llm, sp_cls, n: int, vocab: int, seed: int) -> dict:
     params = [sp_cls(max_tokens=r.output_len, ignore_eos=True, temperature=0) for r in reqs]
     runner = llm.llm_engine.runner
     spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-    execute = runner.execute
 
-    def timed(*a, **k):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        try:
-            return execute(*a, **k)
-        finally:
-            end.record()
-            spans.append((start, end))
-    runner.execute = timed
+    def timed(execute):
+        def run(*a, **k):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                return execute(*a, **k)
+            finally:
+                end.record()
+                spans.append((start, end))
+        return run
+    names = ("execute", "execute_async")  # the synchronous step and the async-scheduling launch
+    for name in names:
+        setattr(runner, name, timed(getattr(runner, name)))
     try:
         _sync()
         t0 = time.perf_counter()
@@ -172,7 +175,8 @@ def throughput_256(llm, sp_cls, n: int, vocab: int, seed: int) -> dict:
         _sync()
         dt = time.perf_counter() - t0
     finally:
-        del runner.execute
+        for name in names:
+            delattr(runner, name)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     gpu_s = sum(s.elapsed_time(e) for s, e in spans) / 1e3
     return {"out_tok_s": out_tokens / dt, "total_tok_s": (out_tokens + sum(map(len, prompts))) / dt, "seconds": dt,
@@ -232,7 +236,8 @@ def _llm(model_dir: Path, args, eager: bool):
     return LLM(model=str(model_dir), quantization=getattr(args, "quantization", None), dtype="bfloat16",
                max_model_len=MAX_MODEL_LEN, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
-               gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, enforce_eager=eager)
+               gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, enforce_eager=eager,
+               async_scheduling=getattr(args, "async_scheduling", False) and not eager)
 
 
 def _decode_columns(llm, args, vocab: int, suffix: str) -> dict:
@@ -335,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--quick", action="store_true", help="small shapes only, 32 requests (a smoke run)")
     ap.add_argument("--no-eager", action="store_true", help="skip the enforce_eager=True decode columns")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="async_scheduling=True (rows stored as variant '<variant>+async', beside the synchronous ones)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("e2e_gpu.py needs a CUDA GPU: none is visible (torch.cuda.is_available() is False). Nothing was run.")
@@ -374,9 +381,10 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # noqa: BLE001 -- one broken variant must not lose the others
                 print(f"[{shape}/{variant}] failed: {type(e).__name__}: {e}", flush=True)
                 continue
-            row = {"model_shape": shape, "variant": variant, **row, "num_requests": args.num_requests,
+            label = variant + ("+async" if args.async_scheduling else "")
+            row = {"model_shape": shape, "variant": label, **row, "num_requests": args.num_requests,
                    "seed": args.seed, "seconds": round(time.perf_counter() - t0, 1)}
-            rows[(shape, variant)] = row
+            rows[(shape, label)] = row
             print(f"[{shape}/{variant}] " + ", ".join(
                 f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
                 if k not in ("model_shape", "variant")), flush=True)
