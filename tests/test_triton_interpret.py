@@ -97,11 +97,11 @@ def test_attention_kernels_compile_for_hopper_without_a_gpu():
                               options={"num_warps": 4, "num_stages": 2})
 
     types = {"Q": "*bf16", "KV": "*bf16", "Out": "*bf16", "BlockTables": "*i32", "QueryStart": "*i32",
-             "SeqLens": "*i32", "scale_log2": "fp32", "PartOut": "*fp32", "PartLse": "*fp32", "KScale": "*fp32",
-             "VScale": "*fp32"}
+             "SeqLens": "*i32", "Tiles": "*i32", "scale_log2": "fp32", "PartOut": "*fp32", "PartLse": "*fp32",
+             "KScale": "*fp32", "VScale": "*fp32"}
     common = dict(GROUP=4, HEAD_DIM=128, PAGE=16, BLOCK_D=128, DOT_F32=False, PRECISION=None, QUANT=False)
     kernels = [
-        compile_kernel(ta._prefill_kernel, types, dict(common, BLOCK_M=64, BLOCK_N=64, SKIP_DECODE=True)),
+        compile_kernel(ta._prefill_kernel, types, dict(common, BLOCK_M=64, BLOCK_N=64, PACK=4, DENSE=False)),
         compile_kernel(ta._decode_kernel, types, dict(common, NUM_SPLITS=4, BLOCK_H=16, BLOCK_N=64)),
     ]
     for k in kernels:

@@ -89,11 +89,11 @@ def test_fp8_attention_kernels_compile_for_hopper_without_a_gpu(kv_type):
                               options={"num_warps": 4, "num_stages": 2})
 
     types = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KV": f"*{kv_type}", "Out": "*bf16", "BlockTables": "*i32",
-             "QueryStart": "*i32", "SeqLens": "*i32", "Slots": "*i64", "scale_log2": "fp32", "PartOut": "*fp32",
-             "PartLse": "*fp32", "KScale": "*fp32", "VScale": "*fp32"}
+             "QueryStart": "*i32", "SeqLens": "*i32", "Tiles": "*i32", "Slots": "*i64", "scale_log2": "fp32",
+             "PartOut": "*fp32", "PartLse": "*fp32", "KScale": "*fp32", "VScale": "*fp32"}
     common = dict(GROUP=4, HEAD_DIM=128, PAGE=16, BLOCK_D=128, DOT_F32=False, PRECISION=None, QUANT=True)
     attn = [
-        compile_kernel(ta._prefill_kernel, types, dict(common, BLOCK_M=64, BLOCK_N=64, SKIP_DECODE=True)),
+        compile_kernel(ta._prefill_kernel, types, dict(common, BLOCK_M=64, BLOCK_N=64, PACK=4, DENSE=False)),
         compile_kernel(ta._decode_kernel, types, dict(common, NUM_SPLITS=4, BLOCK_H=16, BLOCK_N=64)),
     ]
     fmax = 448.0 if kv_type == "fp8e4nv" else 57344.0

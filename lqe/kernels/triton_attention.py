@@ -2,10 +2,12 @@
 
 Layout (see ``lqe.forward_context``): ``query [T, H, D]``, ``kv_cache [2, num_blocks, block_size, KVH, D]``.
 A step may mix decode rows (query length 1) and prefill rows (a chunk of new tokens after ``seq_len - q_len``
-cached ones). Both kernels are launched over every sequence and each one skips the rows the other owns, so no
-host-side partitioning is needed; the decode kernel alone never reads host data, so a decode-only step can be
-captured in a CUDA graph (the number of splits is fixed per launch; split lengths are computed in the kernel
-from the device ``seq_lens``).
+cached ones). The decode kernel is launched over every sequence and skips the prefill rows; it never reads host
+data, so a decode-only step can be captured in a CUDA graph (the number of splits is fixed per launch; split
+lengths are computed in the kernel from the device ``seq_lens``). The prefill kernel is launched over the step's
+tile map (``lqe.kernels.prefill_tiles``: the (sequence, m-tile) pairs of its prefill rows, built once per step
+from the host lists), so a mixed step runs no idle programs; with GQA one program covers all query heads of a
+KV head (rows = tokens x heads), so each K/V tile is loaded once per KV head.
 
 Prefill reads its own new K/V back from the cache (they are stored first), which keeps one code path for
 "no prefix", "prefix-cached prefix" and chunked prefill. Softmax runs in base 2 with the scale folded in.
@@ -26,6 +28,7 @@ import triton.language as tl
 from lqe.forward_context import AttentionMetadata
 from lqe.kernels.attention_plan import choose_num_splits
 from lqe.kernels.attention_ref import fp8_max, is_fp8
+from lqe.kernels.prefill_tiles import step_plan
 
 _LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -85,36 +88,46 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
 
 # --------------------------------------------------------------------------------------------- prefill
 @triton.jit
-def _prefill_kernel(Q, KV, Out, BlockTables, QueryStart, SeqLens, KScale, VScale, scale_log2,
+def _prefill_kernel(Q, KV, Out, BlockTables, QueryStart, SeqLens, Tiles, KScale, VScale, scale_log2,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_kv, stride_blk, stride_slot, stride_ch,
-                    stride_bt, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    SKIP_DECODE: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
-                    QUANT: tl.constexpr):
-    pid_m = tl.program_id(0)
-    b = tl.program_id(1)
-    h = tl.program_id(2)
+                    stride_bt, tiles_per_seq, GROUP: tl.constexpr, PACK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    DENSE: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr):
+    """One program per (tile, pack of ``PACK`` query heads of one KV head): its ``BLOCK_M`` rows are
+    ``BLOCK_M // PACK`` query tokens x ``PACK`` heads (row ``r``: token ``r // PACK``, head ``r % PACK``), so the
+    K/V tiles are loaded once for the pack. ``Tiles`` lists the (sequence, m-tile) pairs of the step's prefill
+    rows; ``DENSE`` (benchmark baseline) instead runs ``tiles_per_seq`` tiles of every sequence and skips the
+    ones past its query or of a decode row."""
+    TOKENS: tl.constexpr = BLOCK_M // PACK
+    pid = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    if DENSE:
+        b = pid // tiles_per_seq
+        tile = pid % tiles_per_seq
+    else:
+        b = tl.load(Tiles + 2 * pid)
+        tile = tl.load(Tiles + 2 * pid + 1)
     q_start = tl.load(QueryStart + b)
     q_len = tl.load(QueryStart + b + 1) - q_start
-    if pid_m * BLOCK_M >= q_len:
-        return
-    if SKIP_DECODE:  # constexpr: resolved at compile time, so the early return below is a plain scalar branch
-        if q_len == 1:
+    if DENSE:  # constexpr: resolved at compile time, so the early return below is a plain scalar branch
+        if (tile * TOKENS >= q_len) | (q_len <= 1):
             return
     seq_len = tl.load(SeqLens + b)
     ctx_len = seq_len - q_len
-    kvh = h // GROUP
+    kvh = (pid_h * PACK) // GROUP
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    tok = tile * TOKENS + offs_r // PACK
+    head = pid_h * PACK + offs_r % PACK
     d_mask = offs_d < HEAD_DIM
-    m_mask = offs_m < q_len
-    q_rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+    m_mask = (offs_r < TOKENS * PACK) & (tok < q_len)
+    q_rows = (q_start + tok).to(tl.int64)
+    q = tl.load(Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
-    q_pos = ctx_len + offs_m
+    q_pos = ctx_len + tok
     qk_scale = scale_log2
     if QUANT:  # dequantization folded into the scores (k_scale) and the output (v_scale), in fp32
         qk_scale = scale_log2 * tl.load(KScale)
@@ -122,7 +135,7 @@ def _prefill_kernel(Q, KV, Out, BlockTables, QueryStart, SeqLens, KScale, VScale
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite, so fully masked rows never give inf - inf
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    kv_end = tl.minimum(seq_len, ctx_len + (pid_m + 1) * BLOCK_M)  # causal: later keys are never seen
+    kv_end = tl.minimum(seq_len, ctx_len + (tile + 1) * TOKENS)  # causal: later keys are never seen
     table = BlockTables + b.to(tl.int64) * stride_bt
     for start in range(0, kv_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -149,7 +162,7 @@ def _prefill_kernel(Q, KV, Out, BlockTables, QueryStart, SeqLens, KScale, VScale
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if QUANT:
         acc = acc * tl.load(VScale)
-    tl.store(Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+    tl.store(Out + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              acc.to(Out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
@@ -257,30 +270,33 @@ def _check_cache(kv_cache: torch.Tensor) -> None:
 
 
 def _blocks(head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for prefill; bigger head dims get smaller tiles to fit registers."""
+    """(BLOCK_M, BLOCK_N, num_warps) for prefill: no register spills on sm_90 (ptxas -v, every PACK, 16-bit and
+    fp8 KV; tests/test_prefill_tiles.py). At head dim 128 four warps spill (~500 bytes), eight fit in ~190
+    registers; head dim 256 needs the smaller tile."""
     bd = triton.next_power_of_2(head_dim)
     if bd <= 64:
         return 64, 64, 4
     if bd <= 128:
-        return 64, 64, 4
-    return 32, 32, 4
+        return 64, 64, 8
+    return 32, 32, 8
 
 
-_LAST_PLAN: list = [None, False]  # (metadata object, has decode rows): every layer of a step shares its metadata
-
-
-def _has_decode_rows(meta: AttentionMetadata) -> bool:
-    if _LAST_PLAN[0] is not meta:
-        qsl = meta.query_start_loc_cpu
-        _LAST_PLAN[:] = [meta, any(qsl[i + 1] - qsl[i] == 1 for i in range(meta.num_seqs))]
-    return _LAST_PLAN[1]
+def _pack(group: int, block_m: int) -> int:
+    """Query heads per prefill program: the whole GQA group while a tile keeps >= 4 tokens (K/V loaded once per
+    KV head), else one head per program."""
+    return group if 1 < group and 4 * group <= block_m else 1
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     out: torch.Tensor | None = None, num_splits: int | None = None,
-                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                    prefill_grid: str = "tiles", pack_gqa: bool | None = None) -> torch.Tensor:
     """Causal attention of ``query [T, H, D]`` over the paged cache (K/V of this step already stored); an fp8
-    cache is read through ``k_scale`` / ``v_scale``."""
+    cache is read through ``k_scale`` / ``v_scale``.
+
+    ``prefill_grid`` / ``pack_gqa`` exist for benchmarks: ``"tiles"`` (default) launches prefill over the step's
+    tile map, ``"dense"`` over every (m-tile, sequence) of the step as before; ``pack_gqa`` (default: by head
+    dim and group) makes one program handle every query head of a KV head."""
     _check_cache(kv_cache)
     t, num_heads, head_dim = query.shape
     num_kv_heads, page = kv_cache.shape[3], kv_cache.shape[2]
@@ -288,6 +304,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         raise ValueError("query needs a contiguous last (head_dim) dimension")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if prefill_grid not in ("tiles", "dense"):
+        raise ValueError(f"prefill_grid must be 'tiles' or 'dense'; got {prefill_grid!r}")
     if out is None:
         out = torch.empty_like(query)
     b = meta.num_seqs
@@ -301,18 +319,28 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     kv_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
     quant, _, ks, vs = _scales(kv_cache, k_scale, v_scale)
     decode_only = meta.max_query_len == 1
-    has_decode = decode_only or _has_decode_rows(meta)
+    has_decode = decode_only or step_plan(meta).has_decode
 
     if not decode_only:
         block_m, block_n, warps = _blocks(head_dim)
-        grid = (triton.cdiv(meta.max_query_len, block_m), b, num_heads)
-        _prefill_kernel[grid](
-            query, kv_cache, out, meta.block_tables, meta.query_start_loc, meta.seq_lens, ks, vs, scale_log2,
-            query.stride(0), query.stride(1), out.stride(0), out.stride(1), *kv_strides,
-            meta.block_tables.stride(0), GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_D=block_d, SKIP_DECODE=has_decode, DOT_F32=dot_f32, PRECISION=precision,
-            QUANT=quant, num_warps=warps, num_stages=2,
-        )
+        pack = _pack(group, block_m) if pack_gqa is None else (group if pack_gqa else 1)
+        if block_m // pack < 1:
+            raise ValueError(f"pack_gqa=True needs a GQA group <= {block_m} (BLOCK_M); got {group}")
+        tokens = block_m // pack
+        if prefill_grid == "tiles":
+            tiles = step_plan(meta).tile_map(tokens, query.device)
+            n_tiles, per_seq = tiles.shape[0], 0
+        else:
+            tiles, per_seq = meta.query_start_loc, triton.cdiv(meta.max_query_len, tokens)  # tiles: unread
+            n_tiles = per_seq * b
+        if n_tiles:
+            _prefill_kernel[(n_tiles, num_heads // pack)](
+                query, kv_cache, out, meta.block_tables, meta.query_start_loc, meta.seq_lens, tiles, ks, vs,
+                scale_log2, query.stride(0), query.stride(1), out.stride(0), out.stride(1), *kv_strides,
+                meta.block_tables.stride(0), per_seq, GROUP=group, PACK=pack, HEAD_DIM=head_dim, PAGE=page,
+                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DENSE=prefill_grid == "dense",
+                DOT_F32=dot_f32, PRECISION=precision, QUANT=quant, num_warps=warps, num_stages=2,
+            )
     if not has_decode:
         return out
 

@@ -50,7 +50,8 @@ def make_case(specs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, h
 
 
 def check_attention(specs, num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float16, device="cuda",
-                    block_size=16, num_splits=None, seed=0, pad_tokens=0, strided_kv=False) -> float:
+                    block_size=16, num_splits=None, seed=0, pad_tokens=0, strided_kv=False, **attn_kw) -> float:
+    """``attn_kw``: extra ``paged_attention`` arguments (``prefill_grid``, ``pack_gqa``)."""
     from lqe.kernels import triton_attention as ta
 
     query, key, value, cache, meta = make_case(specs, num_heads, num_kv_heads, head_dim, dtype, device,
@@ -68,7 +69,7 @@ def check_attention(specs, num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch
     assert torch.equal(cache, cache_ref), "triton store_kv differs from the reference"
     n = meta.query_start_loc_cpu[-1]
     expected = ref.paged_attention_ref(query[:n], cache_ref, meta, scale).float()
-    got = ta.paged_attention(query, cache, meta, scale, num_splits=num_splits)[:n].float()
+    got = ta.paged_attention(query, cache, meta, scale, num_splits=num_splits, **attn_kw)[:n].float()
     err = (got - expected).abs().max().item()
     assert err <= ATOL[dtype], f"max abs error {err} > {ATOL[dtype]} for {specs} {dtype} D={head_dim}"
     return err

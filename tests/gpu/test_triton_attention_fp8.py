@@ -19,7 +19,8 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
 def check_attention_fp8(specs, num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float16, device="cuda",
-                        kv_dtype=E4M3, block_size=16, num_splits=None, seed=0, pad_tokens=0, outlier=True) -> float:
+                        kv_dtype=E4M3, block_size=16, num_splits=None, seed=0, pad_tokens=0, outlier=True,
+                        **attn_kw) -> float:
     from lqe.kernels import triton_attention as ta
 
     query, key, value, cache, meta = make_case(specs, num_heads, num_kv_heads, head_dim, dtype, device,
@@ -38,7 +39,7 @@ def check_attention_fp8(specs, num_heads=4, num_kv_heads=2, head_dim=64, dtype=t
     n = meta.query_start_loc_cpu[-1]
     expected = ref.paged_attention_ref(query[:n], cache_ref, meta, scale, k_scale, v_scale).float()
     got = ta.paged_attention(query, cache8, meta, scale, num_splits=num_splits, k_scale=k_scale,
-                             v_scale=v_scale)[:n].float()
+                             v_scale=v_scale, **attn_kw)[:n].float()
     err = (got - expected).abs().max().item()
     assert err <= ATOL[dtype], f"max abs error {err} > {ATOL[dtype]} for {specs} {dtype} {kv_dtype} D={head_dim}"
     # the same attention over a float cache holding the dequantized values: fp8 reads are exactly "x * scale"
