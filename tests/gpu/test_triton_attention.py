@@ -111,3 +111,59 @@ def test_odd_head_dims_and_block_sizes(head_dim, block_size):
 def test_many_decode_rows():
     specs = [(1, (i * 997) % 3000) for i in range(64)]
     check_attention(specs, 32, 8, 128, torch.bfloat16)
+
+
+# ------------------------------------------------------------------ mixed steps: the prefill tile map, GQA packing
+def _mixed_specs(num_decodes: int, prefill: tuple[int, int], every: int = 16) -> list[tuple[int, int]]:
+    """Decode rows of assorted context lengths with the prefill chunk and two short prefill rows among them."""
+    specs = [(1, (i * 389) % 1500 + 1) for i in range(num_decodes)]
+    specs.insert(num_decodes // 2, prefill)
+    specs.insert(every, (2, 33))
+    specs.insert(3 * every, (19, 0))
+    return specs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,head_dim", [((32, 8), 128), ((12, 4), 80), ((8, 8), 64), ((16, 2), 128),
+                                            ((8, 2), 256)])
+@pytest.mark.parametrize("pack_gqa", [None, False])
+def test_mixed_step_tiles_vs_reference(dtype, heads, head_dim, pack_gqa):
+    """Decodes around a chunked prefill over a cached prefix (q_len not a multiple of any tile): tiled launch, packed
+    GQA or not, == the reference."""
+    check_attention(_mixed_specs(40, (301, 700)), heads[0], heads[1], head_dim, dtype, pad_tokens=7,
+                    strided_kv=True, pack_gqa=pack_gqa)
+
+
+@pytest.mark.parametrize("pack_gqa", [True, False])
+def test_tiled_grid_equals_dense_grid_bitwise(pack_gqa):
+    """The tile map runs the same programs as the dense (old) grid, minus the idle ones: identical outputs."""
+    from lqe.kernels import triton_attention as ta
+
+    q, k, v, cache, meta = make_case(_mixed_specs(100, (512, 1000)), 32, 8, 128, torch.bfloat16, "cuda")
+    ta.store_kv(k, v, cache, meta.slot_mapping)
+    tiles = ta.paged_attention(q, cache, meta, 0.088, pack_gqa=pack_gqa)
+    dense = ta.paged_attention(q, cache, meta, 0.088, pack_gqa=pack_gqa, prefill_grid="dense")
+    assert torch.equal(tiles, dense)
+
+
+def test_mixed_step_builds_tiles_once_without_syncs(monkeypatch):
+    """Every layer of a step shares its tile map (one build, one pinned non-blocking copy); no layer syncs."""
+    from lqe.kernels import prefill_tiles as pt
+    from lqe.kernels import triton_attention as ta
+
+    builds = []
+    real = pt.build_tile_map
+    monkeypatch.setattr(pt, "build_tile_map", lambda *a: builds.append(a) or real(*a))
+    q, k, v, cache, meta = make_case(_mixed_specs(255, (512, 1024)), 32, 8, 128, torch.bfloat16, "cuda")
+    ta.store_kv(k, v, cache, meta.slot_mapping)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # torch-side syncs only (Triton launches and compiles are not torch's)
+    try:
+        outs = [ta.paged_attention(q, cache, meta, 0.088) for _layer in range(8)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(builds) == 1
+    n = meta.query_start_loc_cpu[-1]
+    expected = ref.paged_attention_ref(q[:n], cache, meta, 0.088).float()
+    for o in outs:
+        assert (o[:n].float() - expected).abs().max().item() <= ATOL[torch.bfloat16]
