@@ -11,6 +11,9 @@
 #      build and its RTN quantization does not fit 8 minutes; set it to 256 once throughput is up)
 #      -> $OUTDIR/e2e-$SLUG.json (rows of other shapes/variants there are kept);
 #   4. LQE_ENGINE_ASYNC=1: the qwen2.5-0.5b bf16 row again with async_scheduling=True (variant "bf16+async").
+#   5. Triton attention of a mixed step (255 decodes + a 512-token prefill, llama3-8b heads, 1k contexts): the old
+#      dense prefill grid vs the tile map (+ GQA packing), same run, floor beside (benchmarks/prefill_attention.py
+#      -> $OUTDIR/prefill-attention-$SLUG.json), after its mixed-step GPU tests (tests/gpu/test_triton_attention.py).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 rc=0
 run_tests engine tests/gpu/test_cuda_graphs.py tests/gpu/test_piecewise_gpu.py || rc=1
@@ -18,6 +21,8 @@ for shape in smollm2-135m qwen2.5-0.5b; do
   timeout 150 python benchmarks/step_host_time.py --device cuda --shape "$shape" --label "$shape" \
     --paths eager,piecewise --out "$OUTDIR/step-host-time-$SLUG.json" | tail -2 || rc=1
 done
+run_tests prefill-tiles tests/gpu/test_triton_attention.py -k "mixed_step or tiled_grid" || rc=1
+timeout 120 python benchmarks/prefill_attention.py --out "$OUTDIR/prefill-attention-$SLUG.json" || rc=1
 timeout "${LQE_ENGINE_E2E_TIMEOUT:-200}" python benchmarks/e2e_gpu.py --shapes qwen2.5-0.5b --variants bf16,w4a16 \
   --no-eager --num-requests 256 --out-dir "$OUTDIR" || rc=1
 timeout "${LQE_ENGINE_8B_TIMEOUT:-240}" python benchmarks/e2e_gpu.py --shapes llama3-8b --variants bf16,w4a16 \
