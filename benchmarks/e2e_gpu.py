@@ -237,7 +237,8 @@ def _llm(model_dir: Path, args, eager: bool):
                max_model_len=MAX_MODEL_LEN, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
                gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, enforce_eager=eager,
-               async_scheduling=getattr(args, "async_scheduling", False) and not eager)
+               async_scheduling=getattr(args, "async_scheduling", False) and not eager,
+               **({"cudagraph_mode": args.cudagraph_mode} if getattr(args, "cudagraph_mode", None) else {}))
 
 
 def _decode_columns(llm, args, vocab: int, suffix: str) -> dict:
@@ -342,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-eager", action="store_true", help="skip the enforce_eager=True decode columns")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="async_scheduling=True (rows stored as variant '<variant>+async', beside the synchronous ones)")
+    ap.add_argument("--cudagraph-mode", choices=("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"), default=None,
+                    help="the engine's cudagraph_mode (default: the engine's default); FULL_AND_PIECEWISE rows are stored "
+                         "as variant '<variant>+piecewise'")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("e2e_gpu.py needs a CUDA GPU: none is visible (torch.cuda.is_available() is False). Nothing was run.")
@@ -381,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # noqa: BLE001 -- one broken variant must not lose the others
                 print(f"[{shape}/{variant}] failed: {type(e).__name__}: {e}", flush=True)
                 continue
-            label = variant + ("+async" if args.async_scheduling else "")
+            label = (variant + ("+piecewise" if args.cudagraph_mode == "FULL_AND_PIECEWISE" else "")
+                     + ("+async" if args.async_scheduling else ""))
             row = {"model_shape": shape, "variant": label, **row, "num_requests": args.num_requests,
                    "seed": args.seed, "seconds": round(time.perf_counter() - t0, 1)}
             rows[(shape, label)] = row

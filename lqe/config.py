@@ -34,8 +34,10 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no decode graphs (every step eager)
     max_cudagraph_batch: int = 256  # largest decode batch replayed from a CUDA graph (capped by max_num_seqs)
     # CUDA graphs (CUDA, one rank): FULL_AND_PIECEWISE = decode graphs + piecewise graphs of mixed / prefill steps
-    # per token bucket (lqe.engine.piecewise); FULL_DECODE_ONLY = decode graphs only; NONE = like enforce_eager
-    cudagraph_mode: str = "FULL_AND_PIECEWISE"
+    # per token bucket (lqe.engine.piecewise); FULL_DECODE_ONLY = decode graphs only; NONE = like enforce_eager.
+    # The default stays FULL_DECODE_ONLY until the piecewise capture has run and been measured on a GPU (issue 26:
+    # `bash benchmarks/run_gpu.sh --engine`); FULL_AND_PIECEWISE opts in.
+    cudagraph_mode: str = "FULL_DECODE_ONLY"
     max_piecewise_tokens: int | None = None  # largest piecewise token bucket (default and cap: max_num_batched_tokens)
     # vLLM's async scheduling: schedule and prepare step N+1 while the device runs step N (one rank; steps that need
     # the previous tokens on the host -- penalties, structured output, prompt logprobs -- wait for them first)

@@ -18,7 +18,8 @@ BUCKETS = [16, 32, 48, 64]
 
 
 def _llm(model_dir, **kw):
-    base = dict(kv_cache_memory_bytes=64 << 20, max_model_len=256, max_num_batched_tokens=64, max_num_seqs=6,
+    base = dict(cudagraph_mode="FULL_AND_PIECEWISE", kv_cache_memory_bytes=64 << 20, max_model_len=256,
+                max_num_batched_tokens=64, max_num_seqs=6,
                 max_cudagraph_batch=4)
     return LLM(model_dir, **{**base, **kw})
 

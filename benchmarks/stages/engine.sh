@@ -10,6 +10,8 @@
 #      default 64 requests: the full 256 take ~160 s per variant at today's 917 tok/s, which with the 8B checkpoint
 #      build and its RTN quantization does not fit 8 minutes; set it to 256 once throughput is up)
 #      -> $OUTDIR/e2e-$SLUG.json (rows of other shapes/variants there are kept);
+#      Each row twice: the default cudagraph_mode (FULL_DECODE_ONLY: mixed steps eager) and FULL_AND_PIECEWISE
+#      (variant "<variant>+piecewise"), in the same run, so the piecewise gain is a same-run ratio;
 #   4. LQE_ENGINE_ASYNC=1: the qwen2.5-0.5b bf16 row again with async_scheduling=True (variant "bf16+async").
 #   5. Triton attention of a mixed step (255 decodes + a 512-token prefill, llama3-8b heads, 1k contexts): the old
 #      dense prefill grid vs the tile map (+ GQA packing), same run, floor beside (benchmarks/prefill_attention.py
@@ -23,13 +25,17 @@ for shape in smollm2-135m qwen2.5-0.5b; do
 done
 run_tests prefill-tiles tests/gpu/test_triton_attention.py -k "mixed_step or tiled_grid" || rc=1
 timeout 120 python benchmarks/prefill_attention.py --out "$OUTDIR/prefill-attention-$SLUG.json" || rc=1
-timeout "${LQE_ENGINE_E2E_TIMEOUT:-200}" python benchmarks/e2e_gpu.py --shapes qwen2.5-0.5b --variants bf16,w4a16 \
-  --no-eager --num-requests 256 --out-dir "$OUTDIR" || rc=1
-timeout "${LQE_ENGINE_8B_TIMEOUT:-240}" python benchmarks/e2e_gpu.py --shapes llama3-8b --variants bf16,w4a16 \
-  --no-eager --num-requests "${LQE_ENGINE_REQUESTS_8B:-64}" --out-dir "$OUTDIR" || rc=1
+for mode in FULL_DECODE_ONLY FULL_AND_PIECEWISE; do
+  timeout "${LQE_ENGINE_E2E_TIMEOUT:-150}" python benchmarks/e2e_gpu.py --shapes qwen2.5-0.5b --variants bf16,w4a16 \
+    --no-eager --num-requests 256 --cudagraph-mode $mode --out-dir "$OUTDIR" || rc=1
+done
+for mode in FULL_DECODE_ONLY FULL_AND_PIECEWISE; do
+  timeout "${LQE_ENGINE_8B_TIMEOUT:-200}" python benchmarks/e2e_gpu.py --shapes llama3-8b --variants bf16 \
+    --no-eager --num-requests "${LQE_ENGINE_REQUESTS_8B:-64}" --cudagraph-mode $mode --out-dir "$OUTDIR" || rc=1
+done
 if [ "${LQE_ENGINE_ASYNC:-0}" = 1 ]; then  # opt-in (the stage's 8 minutes): async scheduling beside the rows above
   timeout 150 python benchmarks/e2e_gpu.py --shapes qwen2.5-0.5b --variants bf16 --no-eager --num-requests 256 \
-    --async-scheduling --out-dir "$OUTDIR" || rc=1
+    --async-scheduling --cudagraph-mode FULL_AND_PIECEWISE --out-dir "$OUTDIR" || rc=1
 fi
 python - "$OUTDIR/e2e-$SLUG.json" <<'PY'
 import json, sys

@@ -206,7 +206,8 @@ def check_leading_dims_and_empty(device: str) -> None:
 # ------------------------------------------------------------------------------------------------ GPU tests
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-from test_model_matrix import FORMATS, PROMPT, build_checkpoints, gen_requests, release_memory  # noqa: E402
+from test_model_matrix import FORMATS, PROMPT, gen_requests, release_memory  # noqa: E402
+from test_model_matrix import build_checkpoints as build_matrix  # noqa: E402
 
 DTYPES = [torch.float16, torch.bfloat16]
 
@@ -289,12 +290,18 @@ def _fp8_block_checkpoint(root: str) -> str:
         "ignore": ["lm_head"], "config_groups": {"group_0": group}})
 
 
+def build_checkpoints(root: str, names: list[str] | None = None) -> dict[str, str]:
+    """The model-matrix checkpoints of every linked scheme, and the 128x128 block-scaled fp8 one."""
+    names = list(LINKED) if names is None else names
+    dirs = build_matrix(root, [n for n in names if n != FP8_BLOCK])
+    if FP8_BLOCK in names:
+        dirs[FP8_BLOCK] = _fp8_block_checkpoint(root)
+    return dirs
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, str]:
-    root = str(tmp_path_factory.mktemp("fused-act-quant"))
-    dirs = build_checkpoints(root, [name for name in LINKED if name != FP8_BLOCK])
-    dirs[FP8_BLOCK] = _fp8_block_checkpoint(root)
-    return dirs
+    return build_checkpoints(str(tmp_path_factory.mktemp("fused-act-quant")))
 
 
 def _fp8_gpu() -> bool:

@@ -20,7 +20,8 @@ from test_model_matrix import build_checkpoints as _build_matrix  # noqa: E402
 W4A16 = "gptq-v1-sym-g128"
 CASES = ["base-base", W4A16]
 TOL = (0.15, 0.25)  # (LP_TOL, NEAR_TIE) of check_same_greedy for bf16 and weight-only formats
-ENGINE = dict(device="cuda", dtype="bfloat16", max_num_seqs=8, max_cudagraph_batch=8, max_num_batched_tokens=192,
+ENGINE = dict(device="cuda", dtype="bfloat16", cudagraph_mode="FULL_AND_PIECEWISE", max_num_seqs=8, max_cudagraph_batch=8,
+              max_num_batched_tokens=192,
               num_kv_blocks=48, block_size=8, max_model_len=160, enable_prefix_caching=True)
 
 
