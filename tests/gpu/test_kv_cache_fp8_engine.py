@@ -4,6 +4,8 @@ after the graphs were captured (the graphs read the scale tensors, not values fr
 and preemption on; the fp8 engine stays close to the bf16 one; the allocator doubles the blocks."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -17,14 +19,21 @@ ENGINE = dict(device="cuda", dtype="bfloat16", max_num_seqs=8, max_cudagraph_bat
               enable_prefix_caching=True)
 
 
+def build_checkpoints(root: str, names: list[str] | None = None) -> dict[str, str]:
+    """A float llama, and the same with llm-compressor kv_cache_scheme k/v scales (fp32 safetensors, no tokenizer)."""
+    out = {}
+    for name in ("plain", "scheme"):
+        if names and name not in names:
+            continue
+        out[name] = build_tiny_model(os.path.join(root, name), "llama", tokenizer=False, initializer_range=0.05)
+    if "scheme" in out:
+        _write_kv_scheme(out["scheme"], {0: (0.01, 0.012), 1: (0.011, 0.013)})
+    return out
+
+
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory) -> dict[str, str]:
-    plain = build_tiny_model(str(tmp_path_factory.mktemp("fp8kv-plain")), "llama", tokenizer=False,
-                             initializer_range=0.05)
-    scheme = build_tiny_model(str(tmp_path_factory.mktemp("fp8kv-scheme")), "llama", tokenizer=False,
-                              initializer_range=0.05)
-    _write_kv_scheme(scheme, {0: (0.01, 0.012), 1: (0.011, 0.013)})
-    return {"plain": plain, "scheme": scheme}
+    return build_checkpoints(str(tmp_path_factory.mktemp("fp8kv")))
 
 
 def _run(model_dir: str, eager: bool, **kw):
