@@ -167,3 +167,25 @@ def test_mixed_step_builds_tiles_once_without_syncs(monkeypatch):
     expected = ref.paged_attention_ref(q[:n], cache, meta, 0.088).float()
     for o in outs:
         assert (o[:n].float() - expected).abs().max().item() <= ATOL[torch.bfloat16]
+
+
+def test_steps_with_other_tile_counts_reuse_the_compiled_prefill_kernel():
+    """The tile count is a grid dimension: steps of different shapes (same model) compile nothing new."""
+    from lqe.kernels import triton_attention as ta
+
+    def compiled() -> int:  # Triton's per-device kernel caches: (kernel_cache, key_cache, target, backend, binder)
+        return sum(len(c[0]) for c in ta._prefill_kernel.device_caches.values())
+
+    seen = []
+    for i, specs in enumerate([_mixed_specs(10, (64, 0)), _mixed_specs(30, (500, 300)), [(7, 5), (1, 3)],
+                               _mixed_specs(3, (1000, 17))]):
+        q, k, v, cache, meta = make_case(specs, 32, 8, 128, torch.bfloat16, "cuda", seed=i)
+        tables = torch.zeros(meta.num_seqs, 128, dtype=torch.int32, device="cuda")  # one width, as in the engine
+        tables[:, :meta.block_tables.shape[1]] = meta.block_tables
+        meta.block_tables = tables
+        ta.store_kv(k, v, cache, meta.slot_mapping)
+        n = meta.query_start_loc_cpu[-1]
+        got = ta.paged_attention(q, cache, meta, 0.088)[:n].float()
+        assert (got - ref.paged_attention_ref(q[:n], cache, meta, 0.088).float()).abs().max().item() <= 4e-2
+        seen.append(compiled())
+    assert seen[0] >= 1 and seen == [seen[0]] * len(seen), seen
