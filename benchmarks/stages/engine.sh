@@ -23,7 +23,7 @@ for shape in smollm2-135m qwen2.5-0.5b; do
   timeout 150 python benchmarks/step_host_time.py --device cuda --shape "$shape" --label "$shape" \
     --paths eager,piecewise --out "$OUTDIR/step-host-time-$SLUG.json" | tail -2 || rc=1
 done
-run_tests prefill-tiles tests/gpu/test_triton_attention.py -k "mixed_step or tiled_grid" || rc=1
+run_tests prefill-tiles tests/gpu/test_triton_attention.py -k "mixed_step or tiled_grid or tile_counts" || rc=1
 timeout 120 python benchmarks/prefill_attention.py --out "$OUTDIR/prefill-attention-$SLUG.json" || rc=1
 for mode in FULL_DECODE_ONLY FULL_AND_PIECEWISE; do
   timeout "${LQE_ENGINE_E2E_TIMEOUT:-150}" python benchmarks/e2e_gpu.py --shapes qwen2.5-0.5b --variants bf16,w4a16 \
