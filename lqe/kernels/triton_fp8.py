@@ -24,6 +24,9 @@ from lqe.kernels.device_info import sm_count
 try:
     import triton
     import triton.language as tl
+
+    from lqe.kernels.triton_gemm_common import (grouped_tile, kmajor_ptrs, scale_rows_cols, split_k_range,
+                                                store_tile, tile_offsets)
 except ImportError:  # pragma: no cover
     triton = None
     tl = None
@@ -125,13 +128,8 @@ if triton is not None:
         mask_n = rn < N
         y = acc
         if BLOCK_SCALE == 0:
-            sa = tl.load(a_scale_ptr + rm * a_scale_stride, mask=mask_m, other=0.0)
-            sw = tl.load(w_scale_ptr + rn, mask=mask_n, other=0.0)
-            y = (sa[:, None] * sw[None, :]) * acc
-        if HAS_BIAS:
-            y = y + tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], y.to(out_ptr.dtype.element_ty),
-                 mask=mask_m[:, None] & mask_n[None, :])
+            y = scale_rows_cols(acc, rm, rn, mask_m, mask_n, a_scale_ptr, a_scale_stride, w_scale_ptr)
+        store_tile(y, rm, rn, mask_m, mask_n, out_ptr, stride_om, bias_ptr, HAS_BIAS)
 
     @triton.jit
     def _fp8_mm_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, K,
@@ -141,24 +139,11 @@ if triton is not None:
                        EVEN_K: tl.constexpr):
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
-        num_pid_m = tl.cdiv(M, BLOCK_M)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        in_group = GROUP_M * num_pid_n
-        first_m = (pid // in_group) * GROUP_M
-        size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % in_group) % size_m
-        pid_n = (pid % in_group) // size_m
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        ram = tl.max_contiguous(tl.multiple_of(rm % M, BLOCK_M), BLOCK_M)
-        rbn = tl.max_contiguous(tl.multiple_of(rn % N, BLOCK_N), BLOCK_N)
+        pid_m, pid_n, num_pid_m, num_pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        rm, rn, ram, rbn = tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
-        k_blocks = tl.cdiv(K, BLOCK_K)
-        per_split = tl.cdiv(k_blocks, SPLIT_K)
-        kb0 = pid_k * per_split
-        kb1 = tl.minimum(kb0 + per_split, k_blocks)
-        a_ptrs = a_ptr + ram[:, None] * stride_am + (kb0 * BLOCK_K + rk)[None, :]
-        b_ptrs = b_ptr + rbn[None, :] * stride_bn + (kb0 * BLOCK_K + rk)[:, None]
+        kb0, kb1 = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
+        a_ptrs, b_ptrs = kmajor_ptrs(a_ptr, b_ptr, ram, rbn, rk, kb0, stride_am, stride_bn, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(kb0, kb1):
             if EVEN_K:

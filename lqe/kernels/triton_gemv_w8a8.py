@@ -28,11 +28,13 @@ from dataclasses import dataclass
 import torch
 
 from lqe.kernels.device_info import sm_count
+from lqe.kernels.triton_gemm_common import per_token_vec
 
 try:
     import triton
     import triton.language as tl
 
+    from lqe.kernels.triton_gemm_common import split_k_range
     from lqe.kernels.triton_w8a8 import _epilogue
 except ImportError:  # pragma: no cover - triton is optional on CPU
     triton = None
@@ -159,10 +161,7 @@ if triton is not None:
         # padding tokens / columns re-read a valid row (stores are masked): no masks on the weight stream
         rxm = tl.minimum(rm, M - 1)
         rwn = tl.max_contiguous(tl.multiple_of(rn % N, BLOCK_N), BLOCK_N)
-        k_blocks = tl.cdiv(K, BLOCK_K)
-        per_split = tl.cdiv(k_blocks, SPLIT_K)
-        kb0 = pid_k * per_split
-        kb1 = tl.minimum(kb0 + per_split, k_blocks)
+        kb0, kb1 = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
         if IS_FP8:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         else:
@@ -234,20 +233,6 @@ if triton is not None:
 
 
 # ------------------------------------------------------------------------------------------------ host side
-def _vec(t: torch.Tensor | None, m: int, dtype: torch.dtype) -> tuple[torch.Tensor | None, int]:
-    """Per-token ``[M]`` / ``[M, 1]`` or one-element tensor -> (contiguous tensor, stride 1 or 0). No sync."""
-    if t is None:
-        return None, 0
-    t = t.reshape(-1)
-    if t.dtype != dtype:
-        t = t.to(dtype)
-    if t.numel() == 1:
-        return t, 0
-    if t.numel() != m:
-        raise ValueError(f"triton-gemv: per-token tensor has {t.numel()} elements for M={m}")
-    return t.contiguous(), 1
-
-
 def gemv_w8a8(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
               azp: torch.Tensor | None = None, colsum: torch.Tensor | None = None, bias: torch.Tensor | None = None,
               out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None,
@@ -270,8 +255,8 @@ def gemv_w8a8(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale:
     if xq.stride(1) != 1:
         xq = xq.contiguous()
     cfg = resolve(config, m, n, k, xq.device) if config is not None else pick_config(m, n, k, xq.device)
-    sa, sa_stride = _vec(a_scale, m, torch.float32)
-    zp, zp_stride = _vec(azp, m, torch.int32)
+    sa, sa_stride = per_token_vec(a_scale, m, torch.float32, "triton-gemv: ")
+    zp, zp_stride = per_token_vec(azp, m, torch.int32, "triton-gemv: ")
     if zp is not None and colsum is None:
         raise ValueError("triton-gemv: asymmetric activations need the weight's colsum")
     w_scale = w_scale.reshape(-1)

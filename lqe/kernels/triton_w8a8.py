@@ -26,10 +26,14 @@ from dataclasses import dataclass
 import torch
 
 from lqe.kernels.device_info import sm_count
+from lqe.kernels.triton_gemm_common import per_token_vec
 
 try:
     import triton
     import triton.language as tl
+
+    from lqe.kernels.triton_gemm_common import (grouped_tile, kmajor_ptrs, scale_rows_cols, split_k_range,
+                                                store_tile, tile_offsets)
 except ImportError:  # pragma: no cover - triton is optional on CPU
     triton = None
     tl = None
@@ -168,13 +172,8 @@ if triton is not None:
             accf = (acc.to(tl.int64) - azp[:, None] * cs[None, :]).to(tl.float32)
         else:
             accf = acc.to(tl.float32)
-        sa = tl.load(a_scale_ptr + rm * a_scale_stride, mask=mask_m, other=0.0)
-        sw = tl.load(w_scale_ptr + rn, mask=mask_n, other=0.0)
-        y = (sa[:, None] * sw[None, :]) * accf
-        if HAS_BIAS:
-            y = y + tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], y.to(out_ptr.dtype.element_ty),
-                 mask=mask_m[:, None] & mask_n[None, :])
+        y = scale_rows_cols(accf, rm, rn, mask_m, mask_n, a_scale_ptr, a_scale_stride, w_scale_ptr)
+        store_tile(y, rm, rn, mask_m, mask_n, out_ptr, stride_om, bias_ptr, HAS_BIAS)
 
     @triton.jit
     def _w8a8_mm_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, w_scale_ptr, azp_ptr, colsum_ptr, bias_ptr,
@@ -184,27 +183,11 @@ if triton is not None:
                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
-        num_pid_m = tl.cdiv(M, BLOCK_M)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        in_group = GROUP_M * num_pid_n
-        first_m = (pid // in_group) * GROUP_M
-        size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % in_group) % size_m
-        pid_n = (pid % in_group) // size_m
-
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        # out-of-range rows / columns load a valid row again instead of masking (stores are masked)
-        ram = tl.max_contiguous(tl.multiple_of(rm % M, BLOCK_M), BLOCK_M)
-        rbn = tl.max_contiguous(tl.multiple_of(rn % N, BLOCK_N), BLOCK_N)
+        pid_m, pid_n, num_pid_m, num_pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        rm, rn, ram, rbn = tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
-
-        k_blocks = tl.cdiv(K, BLOCK_K)
-        per_split = tl.cdiv(k_blocks, SPLIT_K)
-        kb0 = pid_k * per_split
-        kb1 = tl.minimum(kb0 + per_split, k_blocks)
-        a_ptrs = a_ptr + ram[:, None] * stride_am + (kb0 * BLOCK_K + rk)[None, :]
-        b_ptrs = b_ptr + rbn[None, :] * stride_bn + (kb0 * BLOCK_K + rk)[:, None]  # [BLOCK_K, BLOCK_N], K-major
+        kb0, kb1 = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
+        a_ptrs, b_ptrs = kmajor_ptrs(a_ptr, b_ptr, ram, rbn, rk, kb0, stride_am, stride_bn, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
         for kb in range(kb0, kb1):
             if EVEN_K:
@@ -247,20 +230,6 @@ if triton is not None:
 
 
 # ------------------------------------------------------------------------------------------------ host side
-def _vec(t: torch.Tensor | None, m: int, dtype: torch.dtype) -> tuple[torch.Tensor | None, int]:
-    """Per-token ``[M]`` / ``[M, 1]`` or one-element tensor -> (contiguous tensor, stride 1 or 0). No sync."""
-    if t is None:
-        return None, 0
-    t = t.reshape(-1)
-    if t.dtype != dtype:
-        t = t.to(dtype)
-    if t.numel() == 1:
-        return t, 0
-    if t.numel() != m:
-        raise ValueError(f"per-token tensor has {t.numel()} elements for M={m}")
-    return t.contiguous(), 1
-
-
 def _check(xq: torch.Tensor, w: torch.Tensor) -> None:
     if xq.dtype != torch.int8 or w.dtype != torch.int8:
         raise ValueError(f"triton-w8a8 needs int8 activations and weights, got {xq.dtype} and {w.dtype}")
@@ -287,8 +256,8 @@ def w8a8_mm(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: t
     cfg = config or pick_config(m, n, k, xq.device)
     if cfg.split_k == 0:
         cfg = pick_config(m, n, k, xq.device, [(None, cfg)])
-    sa, sa_stride = _vec(a_scale, m, torch.float32)
-    zp, zp_stride = _vec(azp, m, torch.int32)
+    sa, sa_stride = per_token_vec(a_scale, m, torch.float32)
+    zp, zp_stride = per_token_vec(azp, m, torch.int32)
     if zp is not None and colsum is None:
         raise ValueError("triton-w8a8: asymmetric activations need the weight's colsum")
     w_scale = w_scale.reshape(-1)
@@ -321,8 +290,8 @@ def w8a8_epilogue(acc: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tenso
         out = torch.empty(m, n, dtype=out_dtype, device=acc.device)
     if m == 0:
         return out
-    sa, sa_stride = _vec(a_scale, m, torch.float32)
-    zp, zp_stride = _vec(azp, m, torch.int32)
+    sa, sa_stride = per_token_vec(a_scale, m, torch.float32)
+    zp, zp_stride = per_token_vec(azp, m, torch.int32)
     w_scale = w_scale.reshape(-1)
     bm, bn = 32, 128
     _epilogue_kernel[(math.ceil(m / bm), math.ceil(n / bn))](

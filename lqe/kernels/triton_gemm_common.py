@@ -1,0 +1,97 @@
+"""Pieces shared by the Triton quantized GEMM / GEMV kernels (lqe/kernels/triton_w8a8.py, triton_fp8.py,
+triton_gemv_w8a8.py), written once:
+
+* :func:`grouped_tile`: the grouped ("super-grouping") order of output tiles: ``GROUP_M`` row tiles sweep a column
+  of tiles together so the weight tiles they share stay in L2;
+* :func:`split_k_range`: the K blocks ``[kb0, kb1)`` of split ``pid_k`` (``SPLIT_K`` even shares, the last ragged);
+* :func:`tile_offsets` / :func:`kmajor_ptrs`: a tile's row / column indices (out-of-range rows and columns re-read
+  a valid one, stores are masked) and the K-contiguous A ``[BLOCK_M, BLOCK_K]`` / B ``[BLOCK_K, BLOCK_N]`` pointers;
+* :func:`scale_rows_cols` / :func:`store_tile`: the per-token x per-channel scale of the epilogue, and the bias add
+  plus masked store;
+* :func:`per_token_vec` (host): a per-token or one-element tensor as (contiguous tensor, stride 1 or 0).
+
+The ``@triton.jit`` helpers are inlined into the calling kernel by Triton: no call, no extra registers; constexpr
+arguments stay constexpr.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is optional on CPU
+    triton = None
+    tl = None
+
+
+def per_token_vec(t: torch.Tensor | None, m: int, dtype: torch.dtype,
+                  who: str = "") -> tuple[torch.Tensor | None, int]:
+    """Per-token ``[M]`` / ``[M, 1]`` or one-element tensor -> (contiguous tensor, stride 1 or 0). No sync.
+    ``who`` prefixes the error message (the kernel's name)."""
+    if t is None:
+        return None, 0
+    t = t.reshape(-1)
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    if t.numel() == 1:
+        return t, 0
+    if t.numel() != m:
+        raise ValueError(f"{who}per-token tensor has {t.numel()} elements for M={m}")
+    return t.contiguous(), 1
+
+
+if triton is not None:
+
+    @triton.jit
+    def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """Output tile ``(pid_m, pid_n)`` of program ``pid`` in grouped order, and the tile counts."""
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        in_group = GROUP_M * num_pid_n
+        first_m = (pid // in_group) * GROUP_M
+        size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % in_group) % size_m
+        pid_n = (pid % in_group) // size_m
+        return pid_m, pid_n, num_pid_m, num_pid_n
+
+    @triton.jit
+    def split_k_range(pid_k, K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+        """K blocks ``[kb0, kb1)`` of split ``pid_k``."""
+        k_blocks = tl.cdiv(K, BLOCK_K)
+        per_split = tl.cdiv(k_blocks, SPLIT_K)
+        kb0 = pid_k * per_split
+        kb1 = tl.minimum(kb0 + per_split, k_blocks)
+        return kb0, kb1
+
+    @triton.jit
+    def tile_offsets(pid_m, pid_n, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Rows ``rm`` / columns ``rn`` of the tile, and the wrapped ``ram`` / ``rbn`` the loads use (out-of-range
+        rows / columns load a valid row again instead of masking; stores are masked)."""
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ram = tl.max_contiguous(tl.multiple_of(rm % M, BLOCK_M), BLOCK_M)
+        rbn = tl.max_contiguous(tl.multiple_of(rn % N, BLOCK_N), BLOCK_N)
+        return rm, rn, ram, rbn
+
+    @triton.jit
+    def kmajor_ptrs(a_ptr, b_ptr, ram, rbn, rk, kb0, stride_am, stride_bn, BLOCK_K: tl.constexpr):
+        """A ``[BLOCK_M, BLOCK_K]`` and B ``[BLOCK_K, BLOCK_N]`` (K-major, from ``w [N, K]``) at K block ``kb0``."""
+        a_ptrs = a_ptr + ram[:, None] * stride_am + (kb0 * BLOCK_K + rk)[None, :]
+        b_ptrs = b_ptr + rbn[None, :] * stride_bn + (kb0 * BLOCK_K + rk)[:, None]
+        return a_ptrs, b_ptrs
+
+    @triton.jit
+    def scale_rows_cols(acc, rm, rn, mask_m, mask_n, a_scale_ptr, a_scale_stride, w_scale_ptr):
+        """``a_scale[m] * w_scale[n] * acc`` (fp32; ``a_scale_stride`` 0 for one static scale)."""
+        sa = tl.load(a_scale_ptr + rm * a_scale_stride, mask=mask_m, other=0.0)
+        sw = tl.load(w_scale_ptr + rn, mask=mask_n, other=0.0)
+        return (sa[:, None] * sw[None, :]) * acc
+
+    @triton.jit
+    def store_tile(y, rm, rn, mask_m, mask_n, out_ptr, stride_om, bias_ptr, HAS_BIAS: tl.constexpr):
+        """``y + bias[n]`` cast to the output dtype, stored where ``mask_m`` (rows) and ``mask_n`` (columns)."""
+        if HAS_BIAS:
+            y = y + tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=mask_m[:, None] & mask_n[None, :])
