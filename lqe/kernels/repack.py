@@ -59,6 +59,34 @@ def _lane_rows_cols(kt: int) -> tuple[torch.Tensor, torch.Tensor]:
     return rows[:, None, :].expand(32, 8, rows.shape[-1]), cols[:, :, None].expand(32, 8, rows.shape[-1])
 
 
+def act_order_codes(cw: CanonicalWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``cw.codes`` with K sorted by group (act-order) and the ``perm`` that sorts it, or (codes, ``None``)."""
+    if cw.g_idx is not None and cw.has_act_order():
+        perm = torch.sort(cw.g_idx.long(), stable=True).indices
+        return cw.codes.index_select(0, perm), perm
+    return cw.codes, None
+
+
+def groups_contiguous(cw: CanonicalWeight, gs: int) -> bool:
+    """Whether ``cw.g_idx`` (if any), once sorted, makes contiguous groups of ``gs`` rows."""
+    if cw.g_idx is None:
+        return True
+    g_sorted = torch.sort(cw.g_idx.long().cpu(), stable=True).values
+    return torch.equal(g_sorted, torch.arange(cw.shape[0]) // gs)
+
+
+def fragment_words(frag: torch.Tensor, bits: int) -> torch.Tensor:
+    """m16n8k16 B fragments ``[KT, NT, 32, 8, 4]`` of codes -> a lane's int64 words ``[KT, NT, 32, bits]``:
+    4-bit: word ``w`` holds tiles ``2w, 2w+1`` in :data:`NIBBLE_ORDER`; 8-bit: word ``j`` tile ``j`` in :data:`BYTE_ORDER`."""
+    kt, nt = frag.shape[:2]
+    if bits == 4:
+        logical = frag.reshape(kt, nt, 32, 4, 8)  # word w: tiles 2w, 2w+1 -> 8 logical values
+        shifts = torch.arange(8, device=frag.device) * 4
+        return (logical[..., list(NIBBLE_ORDER)] << shifts).sum(-1)  # [KT, NT, 32, 4]
+    shifts = torch.arange(4, device=frag.device) * 8
+    return (frag[..., list(BYTE_ORDER)] << shifts).sum(-1)  # [KT, NT, 32, 8]
+
+
 def gather_fragments(mat: torch.Tensor, kt: int) -> torch.Tensor:
     """``[K, N]`` -> ``[K/kt, N/64, 32, 8, kt/4]``: value r of lane l for n8 tile j of every tile."""
     k, n = mat.shape
@@ -88,10 +116,8 @@ def wna16_unsupported(cw: CanonicalWeight) -> str | None:
     gs = k if cw.group_size == -1 else cw.group_size
     if gs % 16:
         return f"group_size={cw.group_size}: lqe-wna16 needs a multiple of 16 or -1"
-    if cw.g_idx is not None:
-        g_sorted = torch.sort(cw.g_idx.long().cpu(), stable=True).values
-        if not torch.equal(g_sorted, torch.arange(k) // gs):
-            return "g_idx groups are not all group_size rows long; lqe-wna16 needs contiguous groups after sorting"
+    if not groups_contiguous(cw, gs):
+        return "g_idx groups are not all group_size rows long; lqe-wna16 needs contiguous groups after sorting"
     return None
 
 
@@ -102,21 +128,9 @@ def repack_wna16(cw: CanonicalWeight, dtype: torch.dtype = torch.float16) -> Pac
         raise ValueError(f"cannot repack for lqe-wna16: {reason}")
     k, n = cw.shape
     gs = k if cw.group_size == -1 else cw.group_size
-    codes = cw.codes
-    perm = None
-    if cw.g_idx is not None and cw.has_act_order():
-        perm = torch.sort(cw.g_idx.long(), stable=True).indices
-        codes = codes.index_select(0, perm)
+    codes, perm = act_order_codes(cw)
     frag = gather_fragments(codes.to(torch.int64), 16)  # [KT, NT, 32, 8, 4]
-    kt, nt = frag.shape[:2]
-    if cw.bits == 4:
-        logical = frag.reshape(kt, nt, 32, 4, 8)  # word w: tiles 2w, 2w+1 -> 8 logical values
-        shifts = torch.arange(8, device=codes.device) * 4
-        words = (logical[..., list(NIBBLE_ORDER)] << shifts).sum(-1)  # [KT, NT, 32, 4]
-    else:
-        shifts = torch.arange(4, device=codes.device) * 8
-        words = (frag[..., list(BYTE_ORDER)] << shifts).sum(-1)  # [KT, NT, 32, 8]
-    qweight = _to_int32(words).reshape(kt, -1).contiguous()
+    qweight = _to_int32(fragment_words(frag, cw.bits)).reshape(frag.shape[0], -1).contiguous()
     zeros = None if cw.zeros is None else permute_columns(cw.zeros.to(dtype)).contiguous()
     return PackedWNA16(qweight, permute_columns(cw.scales.to(dtype)).contiguous(), zeros, perm, cw.bits, gs, k, n)
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from lqe.kernels.canonical import CanonicalWeight
-from lqe.kernels.repack import NIBBLE_ORDER, BYTE_ORDER, _to_int32, gather_fragments, permute_columns
+from lqe.kernels.repack import (_to_int32, act_order_codes, fragment_words, gather_fragments, groups_contiguous,
+                                permute_columns)
 
 TILE_K = 64  # K rows per pipeline stage
 TILE_N = 256  # N columns per block tile (4 warps x 64)
@@ -61,11 +62,9 @@ def mma_unsupported(cw: CanonicalWeight) -> str | None:
     gs = k if cw.group_size == -1 else cw.group_size
     if cw.group_size != -1 and (gs <= 0 or gs % 16):
         return f"group_size={cw.group_size}: lqe-w4a16-mma needs {GROUPS_OK}"
-    if cw.g_idx is not None:
-        g_sorted = torch.sort(cw.g_idx.long().cpu(), stable=True).values
-        if not torch.equal(g_sorted, torch.arange(k) // gs):
-            return ("g_idx groups are not all group_size rows long; lqe-w4a16-mma needs contiguous groups of "
-                    "group_size rows after sorting")
+    if not groups_contiguous(cw, gs):
+        return ("g_idx groups are not all group_size rows long; lqe-w4a16-mma needs contiguous groups of "
+                "group_size rows after sorting")
     return None
 
 
@@ -85,22 +84,12 @@ def repack_mma(cw: CanonicalWeight, dtype: torch.dtype = torch.float16) -> Packe
     gs = k if cw.group_size == -1 else cw.group_size
     k_pad, n_pad = _round_up(k, TILE_K), _round_up(n, TILE_N)
     dev = cw.codes.device
-    codes = cw.codes
-    perm = None
-    if cw.g_idx is not None and cw.has_act_order():
-        perm = torch.sort(cw.g_idx.long(), stable=True).indices
-        codes = codes.index_select(0, perm)
+    codes, perm = act_order_codes(cw)
     full = torch.zeros(k_pad, n_pad, dtype=torch.int64, device=dev)
     full[:k, :n] = codes.to(torch.int64)
     frag = gather_fragments(full, 16)  # [k_pad/16, n_pad/64, 32, 8, 4]
     kt, nt = frag.shape[:2]
-    if cw.bits == 4:
-        logical = frag.reshape(kt, nt, 32, 4, 8)  # word w: tiles 2w, 2w+1 -> 8 logical values
-        shifts = torch.arange(8, device=dev) * 4
-        words = (logical[..., list(NIBBLE_ORDER)] << shifts).sum(-1)  # [KT, NT, 32, 4]
-    else:
-        shifts = torch.arange(4, device=dev) * 8
-        words = (frag[..., list(BYTE_ORDER)] << shifts).sum(-1)  # [KT, NT, 32, 8]
+    words = fragment_words(frag, cw.bits)  # [KT, NT, 32, 4 (4-bit) | 8 (8-bit)]
     v = cw.bits // 4
     # [K/16, N/64, lane, V*4] -> [K/64, slab, N/256, warp, lane, V, 4] -> [K/64, N/256, slab, warp, V, lane, 4]
     words = words.reshape(kt // 4, 4, nt // 4, 4, 32, v, 4).permute(0, 2, 1, 3, 5, 4, 6)
