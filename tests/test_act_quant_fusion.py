@@ -14,26 +14,17 @@ from __future__ import annotations
 
 import collections
 import importlib.util
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import build_tiny_model, write_quantized_checkpoint
 from lqe.quant_layers import reference as ref
+from triton_compat import run_interpreted
 
-ROOT = Path(__file__).resolve().parents[1]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
-SCRIPT = textwrap.dedent("""
-    import sys
-    sys.path[:0] = [{root!r}, {gpu!r}, {tests!r}]
-    import triton_compat
-    triton_compat.patch()
+SCRIPT = """
     triton_compat.patch_bf16_rounding()  # round fp32 -> bf16 to nearest even, as the GPU does
     import torch
     import test_fused_act_quant as F
@@ -48,15 +39,12 @@ SCRIPT = textwrap.dedent("""
         F.check_quantizer_exhaustive(dt, "cpu")
     F.check_leading_dims_and_empty("cpu")
     print("FUSED-QUANT-INTERPRET-OK")
-""")
+"""
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
 def test_fused_quant_kernels_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    script = SCRIPT.format(root=str(ROOT), gpu=str(ROOT / "tests" / "gpu"), tests=str(ROOT / "tests"))
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "FUSED-QUANT-INTERPRET-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_interpreted(SCRIPT, "FUSED-QUANT-INTERPRET-OK", timeout=600)
 
 
 # ------------------------------------------------------------------------------------------------ twins

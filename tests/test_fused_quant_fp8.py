@@ -4,22 +4,14 @@ twins against the quantizer the FP8 layer runs."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from triton_compat import run_interpreted
 
-SCRIPT = textwrap.dedent("""
-    import sys
-    sys.path[:0] = [{root!r}, {gpu!r}, {tests!r}]
-    import triton_compat
-    triton_compat.patch()
+
+SCRIPT = """
     triton_compat.patch_bf16_rounding()
     triton_compat.patch_fp8_rounding()
     import torch
@@ -34,15 +26,12 @@ SCRIPT = textwrap.dedent("""
             F.check_silu_mul_quant_fp8(3, 320, dt, "cpu", group=group, chunk=128)  # several chunks, ragged last one
     F.check_matches_layer_quantizer("cpu")
     print("FUSED-FP8-INTERPRET-OK")
-""")
+"""
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_fused_fp8_quant_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    script = SCRIPT.format(root=str(ROOT), gpu=str(ROOT / "tests" / "gpu"), tests=str(ROOT / "tests"))
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    assert p.returncode == 0 and "FUSED-FP8-INTERPRET-OK" in p.stdout, p.stdout[-3000:] + p.stderr[-6000:]
+    run_interpreted(SCRIPT, "FUSED-FP8-INTERPRET-OK")
 
 
 def test_group_reference_and_bad_groups():

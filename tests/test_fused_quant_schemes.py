@@ -7,21 +7,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from triton_compat import run_interpreted
 
-SCRIPT = textwrap.dedent("""
-    import sys
-    sys.path[:0] = [{root!r}, {gpu!r}, {tests!r}]
-    import triton_compat
-    triton_compat.patch()
+
+SCRIPT = """
     triton_compat.patch_bf16_rounding()  # round fp32 -> bf16 to nearest even, as the GPU does
     import torch
     import test_fused_act_quant_schemes as F
@@ -34,15 +27,12 @@ SCRIPT = textwrap.dedent("""
         F.check_schemes_exhaustive(dt, "cpu")
     F.check_bad_arguments("cpu")
     print("FUSED-SCHEMES-INTERPRET-OK")
-""")
+"""
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (pip install triton)")
 def test_fused_asym_static_quant_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    script = SCRIPT.format(root=str(ROOT), gpu=str(ROOT / "tests" / "gpu"), tests=str(ROOT / "tests"))
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
-    assert p.returncode == 0 and "FUSED-SCHEMES-INTERPRET-OK" in p.stdout, p.stdout[-3000:] + p.stderr[-6000:]
+    run_interpreted(SCRIPT, "FUSED-SCHEMES-INTERPRET-OK", timeout=600)
 
 
 def test_twins_are_the_reference_quantizers():

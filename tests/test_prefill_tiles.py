@@ -7,8 +7,6 @@ import importlib.util
 import os
 import random
 import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -16,8 +14,7 @@ import torch
 
 from lqe.forward_context import AttentionMetadata
 from lqe.kernels import prefill_tiles as pt
-
-ROOT = Path(__file__).resolve().parents[1]
+from triton_compat import run_interpreted
 
 
 def _meta(specs: list[tuple[int, int]]) -> AttentionMetadata:
@@ -72,27 +69,10 @@ def test_tile_map_is_built_once_per_step(monkeypatch):
     assert len(builds) == 2 and not pt.step_plan(step2).has_decode
 
 
-SCRIPT = textwrap.dedent("""
-    import sys
-    sys.path[:0] = [{root!r}, {gpu!r}, {tests!r}]
-    import triton_compat
-    triton_compat.patch()
-    import numpy as np
+SCRIPT = """
+    # fp32 -> fp8 (e4m3 and e5m2) as the GPU (and torch) rounds it
+    triton_compat.patch_fp8_rounding(e5m2=True)
     import torch
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    # fp32 -> fp8 as the GPU (and torch) rounds it: see tests/test_triton_interpret_fp8.py
-    FP8 = {{tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}}
-    original = interpreter._convert_float
-
-    def convert(input, input_dtype, output_dtype, rounding_mode):
-        if input_dtype == tl.float32 and output_dtype in FP8:
-            t = torch.from_numpy(np.ascontiguousarray(input, dtype=np.float32)).to(FP8[output_dtype])
-            return t.view(torch.uint8).numpy().reshape(input.shape)
-        return original(input, input_dtype, output_dtype, rounding_mode)
-
-    interpreter._convert_float = convert
     import test_triton_attention as A
     import test_triton_attention_fp8 as A8
     from lqe.kernels import prefill_tiles as pt
@@ -129,15 +109,12 @@ SCRIPT = textwrap.dedent("""
     ta.paged_attention(q2, cache2, meta2, 0.125)
     assert len(builds) == 2, builds
     print("PREFILL-TILES-OK")
-""")
+"""
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (pip install triton)")
 def test_tiled_prefill_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    script = SCRIPT.format(root=str(ROOT), gpu=str(ROOT / "tests" / "gpu"), tests=str(ROOT / "tests"))
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "PREFILL-TILES-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_interpreted(SCRIPT, "PREFILL-TILES-OK")
 
 
 def _ptxas_spill_bytes(ptx: str) -> int:

@@ -4,21 +4,13 @@ tests/gpu/test_triton_fp8_gemm.py on small shapes)."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from triton_compat import run_interpreted
 
-SCRIPT = textwrap.dedent("""
-    import sys
-    sys.path[:0] = [{root!r}, {gpu!r}, {tests!r}]
-    import triton_compat
-    triton_compat.patch()
+
+SCRIPT = """
     import functools
     import torch
     import test_triton_fp8_gemm as T
@@ -32,15 +24,12 @@ SCRIPT = textwrap.dedent("""
     check(5, 200, 300, C(16, 64, 128, split_k=1), block=True)
     check(18, 136, 384, C(16, 32, 128, split_k=2), block=True, dt=torch.float16)
     print("FP8-GEMM-INTERPRET-OK")
-""")
+"""
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_fp8_gemm_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    script = SCRIPT.format(root=str(ROOT), gpu=str(ROOT / "tests" / "gpu"), tests=str(ROOT / "tests"))
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    assert p.returncode == 0 and "FP8-GEMM-INTERPRET-OK" in p.stdout, p.stdout[-3000:] + p.stderr[-6000:]
+    run_interpreted(SCRIPT, "FP8-GEMM-INTERPRET-OK")
 
 
 def test_fp8_configs_and_bad_scales():

@@ -5,20 +5,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from triton_compat import run_interpreted
 
-SCRIPT = textwrap.dedent("""
-    import sys
-    sys.path[:0] = [{root!r}, {gpu!r}, {tests!r}]
-    import triton_compat
-    triton_compat.patch()
+
+SCRIPT = """
     import torch
     import functools
     import test_gemv_w8a8 as G
@@ -41,15 +34,12 @@ SCRIPT = textwrap.dedent("""
     G.check_gemv(2, 40, 96, C(16, 32, False, split_k=2), "int8", sym=False, static=True, dt=f16)
     G.check_rejects_bad_input("cpu")
     print("GEMV-INTERPRET-OK")
-""")
+"""
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_gemv_kernels_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    script = SCRIPT.format(root=str(ROOT), gpu=str(ROOT / "tests" / "gpu"), tests=str(ROOT / "tests"))
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    assert p.returncode == 0 and "GEMV-INTERPRET-OK" in p.stdout, p.stdout[-3000:] + p.stderr[-6000:]
+    run_interpreted(SCRIPT, "GEMV-INTERPRET-OK")
 
 
 def test_config_table_and_split_k_are_host_functions():

@@ -8,23 +8,16 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from triton_compat import run_interpreted
+
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (pip install triton)")
 
-SCRIPT = textwrap.dedent("""
-    import sys
-    sys.path[:0] = [{root!r}, {gpu!r}, {tests!r}]
-    import triton_compat
-    triton_compat.patch()
+SCRIPT = """
     import torch
     import test_triton_attention as A
     import test_triton_fused_ops as F
@@ -59,14 +52,11 @@ SCRIPT = textwrap.dedent("""
     torch.testing.assert_close(cache, cache_ref)
     torch.testing.assert_close(got, ref.paged_attention_ref(q, cache_ref, meta, 0.2), atol=1e-4, rtol=1e-4)
     print("TRITON-INTERPRET-OK")
-""")
+"""
 
 
 def test_triton_kernels_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", LQE_ATTENTION_BACKEND="triton", CUDA_VISIBLE_DEVICES="")
-    script = SCRIPT.format(root=str(ROOT), gpu=str(ROOT / "tests" / "gpu"), tests=str(ROOT / "tests"))
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "TRITON-INTERPRET-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_interpreted(SCRIPT, "TRITON-INTERPRET-OK", LQE_ATTENTION_BACKEND="triton")
 
 
 def test_backends_module_imports_without_gpu():

@@ -5,40 +5,20 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from triton_compat import run_interpreted
+
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (pip install triton)")
 
-SCRIPT = textwrap.dedent("""
-    import sys
-    sys.path[:0] = [{root!r}, {gpu!r}, {tests!r}]
-    import triton_compat
-    triton_compat.patch()
-    import numpy as np
-    import torch
-    import triton.language as tl
-    from triton.runtime import interpreter
-
+SCRIPT = """
     # the interpreter's fp32 -> fp8 downcast drops the carry of a mantissa that rounds up (31.5 -> 16, not 32)
     # and rounds ties away from zero; the GPU's cvt.rn.satfinite rounds to nearest even like torch: use torch
-    FP8 = {{tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}}
-    original = interpreter._convert_float
-
-    def convert(input, input_dtype, output_dtype, rounding_mode):
-        if input_dtype == tl.float32 and output_dtype in FP8:
-            t = torch.from_numpy(np.ascontiguousarray(input, dtype=np.float32)).to(FP8[output_dtype])
-            return t.view(torch.uint8).numpy().reshape(input.shape)
-        return original(input, input_dtype, output_dtype, rounding_mode)
-
-    interpreter._convert_float = convert
+    triton_compat.patch_fp8_rounding(e5m2=True)
+    import torch
     import test_triton_attention_fp8 as A
 
     E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -63,14 +43,11 @@ SCRIPT = textwrap.dedent("""
     assert torch.equal(c1.view(torch.uint8), c2.view(torch.uint8))
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     print("TRITON-INTERPRET-FP8-OK")
-""")
+"""
 
 
 def test_triton_fp8_kv_kernels_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", LQE_ATTENTION_BACKEND="triton", CUDA_VISIBLE_DEVICES="")
-    script = SCRIPT.format(root=str(ROOT), gpu=str(ROOT / "tests" / "gpu"), tests=str(ROOT / "tests"))
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "TRITON-INTERPRET-FP8-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_interpreted(SCRIPT, "TRITON-INTERPRET-FP8-OK", LQE_ATTENTION_BACKEND="triton")
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="ahead-of-time compilation needs the real JIT")
