@@ -125,3 +125,22 @@ def write_quantized_checkpoint(base: str, out: str, encode, qcfg: dict) -> str:
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(cfg, f)
     return out
+
+
+def random_canonical(k: int, n: int, bits: int, gs: int, asym: bool, act_order: bool, seed: int,
+                     fp16_scales: bool = False):
+    """A random ``CanonicalWeight`` ``[k, n]`` (codes, per-group scales, zero points if ``asym``, a shuffled
+    ``g_idx`` if ``act_order``; ``gs == -1``: per channel) from ``seed``; ``fp16_scales`` rounds the scales to fp16
+    values (exact in the kernel's fp16 scales)."""
+    from lqe.kernels.canonical import CanonicalWeight
+
+    g = torch.Generator().manual_seed(seed)
+    gsz = k if gs == -1 else gs
+    ng = -(-k // gsz)
+    codes = torch.randint(0, 2**bits, (k, n), dtype=torch.uint8, generator=g)
+    scales = torch.rand(ng, n, generator=g) * (0.04 if bits == 4 else 0.003) + 0.002
+    if fp16_scales:
+        scales = scales.half().float()
+    zeros = torch.randint(0, 2**bits, (ng, n), dtype=torch.uint8, generator=g) if asym else None
+    g_idx = (torch.randperm(k, generator=g) // gsz).to(torch.int32) if act_order else None
+    return CanonicalWeight(codes, scales, zeros, g_idx, bits, gs)

@@ -3,6 +3,8 @@ canonical dequantization, for every W4/W8 format and group size, fp16/bf16, M ac
 the 64-row problem split, odd K/N (padding), every stripe count, and CUDA-graph replay."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 from lqe.kernels import gemm, mma_ref, repack_mma  # noqa: E402
 from lqe.kernels.canonical import CanonicalWeight  # noqa: E402
+from helpers import random_canonical  # noqa: E402  (tests/ is on sys.path)
 
 MS = [1, 7, 16, 33, 64, 65, 257]
 DTYPES = [torch.float16, torch.bfloat16]
@@ -26,15 +29,7 @@ def built():
         pytest.fail(f"lqe CUDA kernels did not build: {gemm.unavailable_reason()}")
 
 
-def canonical(k, n, bits, gs, asym, act_order, seed):
-    g = torch.Generator().manual_seed(seed)
-    gsz = k if gs == -1 else gs
-    ng = -(-k // gsz)
-    codes = torch.randint(0, 2**bits, (k, n), dtype=torch.uint8, generator=g)
-    scales = (torch.rand(ng, n, generator=g) * (0.04 if bits == 4 else 0.003) + 0.002).half().float()
-    zeros = torch.randint(0, 2**bits, (ng, n), dtype=torch.uint8, generator=g) if asym else None
-    g_idx = (torch.randperm(k, generator=g) // gsz).to(torch.int32) if act_order else None
-    return CanonicalWeight(codes, scales, zeros, g_idx, bits, gs)
+canonical = functools.partial(random_canonical, fp16_scales=True)  # scales exact in fp16
 
 
 def packed_on_gpu(cw, dtype):

@@ -7,7 +7,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 from lqe.kernels import gemm, gemm_ref, repack  # noqa: E402
-from lqe.kernels.canonical import CanonicalWeight  # noqa: E402
+from helpers import random_canonical as canonical  # noqa: E402  (tests/ is on sys.path)
 
 MS = [1, 7, 16, 33, 64, 257, 1024]
 SHAPES = [(256, 192), (1024, 256), (4096, 4096)]
@@ -18,17 +18,6 @@ DTYPES = [torch.float16, torch.bfloat16]
 def built():
     if not gemm.available():
         pytest.fail(f"lqe CUDA kernels did not build: {gemm.unavailable_reason()}")
-
-
-def canonical(k, n, bits, gs, asym, act_order, seed):
-    g = torch.Generator().manual_seed(seed)
-    gsz = k if gs == -1 else gs
-    ng = -(-k // gsz)
-    codes = torch.randint(0, 2**bits, (k, n), dtype=torch.uint8, generator=g)
-    scales = torch.rand(ng, n, generator=g) * (0.04 if bits == 4 else 0.003) + 0.002
-    zeros = torch.randint(0, 2**bits, (ng, n), dtype=torch.uint8, generator=g) if asym else None
-    g_idx = (torch.randperm(k, generator=g) // gsz).to(torch.int32) if act_order else None
-    return CanonicalWeight(codes, scales, zeros, g_idx, bits, gs)
 
 
 def reference(x, cw, bias):
