@@ -72,12 +72,36 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / (us * 1e-6) / 1e9  # read + write
 
 
+def random_w4(k: int, n: int, dev: str = "cuda", fp16_scales: bool = False):
+    """A random 4-bit g128 symmetric ``CanonicalWeight [k, n]`` (``fp16_scales``: scales rounded to fp16 values)."""
+    from lqe.kernels.canonical import CanonicalWeight
+
+    codes = torch.randint(0, 16, (k, n), dtype=torch.uint8, device=dev)
+    scales = torch.rand(k // 128, n, device=dev) * 0.01 + 1e-3
+    return CanonicalWeight(codes, scales.half().float() if fp16_scales else scales, None, None, 4, 128)
+
+
+def add_int4pack_row(out: dict, k: int, n: int, dev: str = "cuda") -> None:
+    """``torch-int4pack`` (torch's int4 kernel, tinygemm) on g128 weights; skipped with a note where this torch's
+    API refuses it (it differs between torch versions)."""
+    try:
+        def make_i4():
+            wi = torch.randint(0, 16, (n, k), dtype=torch.int32, device=dev)
+            packed = torch._convert_weight_to_int4pack((wi[:, ::2] << 4 | wi[:, 1::2]).to(torch.uint8), 8)
+            sz = torch.stack([torch.rand(k // 128, n, device=dev), torch.zeros(k // 128, n, device=dev)], -1)
+            return packed, sz.to(torch.bfloat16).contiguous()
+        i4 = rotating(make_i4, k * n // 2)
+        torch._weight_int4pack_mm(torch.randn(1, k, device=dev, dtype=torch.bfloat16), *i4[0][:1], 128, i4[0][1])
+        out["torch-int4pack"] = (lambda x: (lambda c=cycler(i4): lambda: (lambda t: torch._weight_int4pack_mm(x, t[0], 128, t[1]))(c()))(), k * n // 2)
+    except Exception as e:  # noqa: BLE001
+        print(f"# torch-int4pack skipped: {type(e).__name__}: {str(e)[:120]}")
+
+
 def candidates(k: int, n: int):
     """``name -> (setup(x) -> fn, weight_bytes[, {column: setup(x) -> fn}])`` for every kernel that can run here,
     plus skip notes; the optional third element times the model columns (:func:`add_model_columns`)."""
     import lqe.kernels as lk
     from lqe.kernels import w8a8
-    from lqe.kernels.canonical import CanonicalWeight
 
     dev, out = "cuda", {}
     wbytes_bf16 = k * n * 2
@@ -86,9 +110,7 @@ def candidates(k: int, n: int):
 
     if lk.available():
         def make_w4():
-            cw = CanonicalWeight(torch.randint(0, 16, (k, n), dtype=torch.uint8, device=dev),
-                                 torch.rand(k // 128, n, device=dev) * 0.01 + 1e-3, None, None, 4, 128)
-            return lk.select_w4a16_kernel(cw, dev, torch.bfloat16)[0].packed
+            return lk.select_w4a16_kernel(random_w4(k, n, dev), dev, torch.bfloat16)[0].packed
         w4bytes = k * n // 2 + (k // 128) * n * 2
         p4 = rotating(make_w4, w4bytes)
         for name, path in [("lqe-w4a16", "auto"), ("lqe-w4a16-fused", "fused"), ("lqe-w4a16-dequant", "dequant")]:
@@ -111,17 +133,7 @@ def candidates(k: int, n: int):
     else:
         print(f"# lqe kernels unavailable: {lk.unavailable_reason()}")
 
-    try:  # torch's int4 kernel (tinygemm); API differs between torch versions
-        def make_i4():
-            wi = torch.randint(0, 16, (n, k), dtype=torch.int32, device=dev)
-            packed = torch._convert_weight_to_int4pack((wi[:, ::2] << 4 | wi[:, 1::2]).to(torch.uint8), 8)
-            sz = torch.stack([torch.rand(k // 128, n, device=dev), torch.zeros(k // 128, n, device=dev)], -1)
-            return packed, sz.to(torch.bfloat16).contiguous()
-        i4 = rotating(make_i4, k * n // 2)
-        torch._weight_int4pack_mm(torch.randn(1, k, device=dev, dtype=torch.bfloat16), *i4[0][:1], 128, i4[0][1])
-        out["torch-int4pack"] = (lambda x: (lambda c=cycler(i4): lambda: (lambda t: torch._weight_int4pack_mm(x, t[0], 128, t[1]))(c()))(), k * n // 2)
-    except Exception as e:  # noqa: BLE001
-        print(f"# torch-int4pack skipped: {type(e).__name__}: {str(e)[:120]}")
+    add_int4pack_row(out, k, n, dev)
 
     wi8 = rotating(lambda: torch.randint(-127, 128, (n, k), dtype=torch.int8, device=dev).t(), k * n)
     out["torch-int-mm"] = (lambda x: (lambda xq=torch.randint(-127, 128, x.shape, dtype=torch.int8, device=dev),
@@ -165,7 +177,6 @@ def wna16_sweep(shapes: list[str], ms: list[int]) -> list[dict]:
     the geometric mean over shapes and the bytes floor (packed weights + scales + x + y at d2d copy speed)."""
     import lqe.kernels as lk
     from lqe.kernels import triton_wna16 as tw
-    from lqe.kernels.canonical import CanonicalWeight
 
     copy_gbps = copy_bandwidth()
     rows, by_m = [], {}
@@ -174,9 +185,7 @@ def wna16_sweep(shapes: list[str], ms: list[int]) -> list[dict]:
         wb = rotating(lambda: torch.randn(k, n, device="cuda", dtype=torch.bfloat16) * 0.02, k * n * 2)
 
         def make_w4():
-            cw = CanonicalWeight(torch.randint(0, 16, (k, n), dtype=torch.uint8, device="cuda"),
-                                 torch.rand(k // 128, n, device="cuda") * 0.01 + 1e-3, None, None, 4, 128)
-            return lk.select_w4a16_kernel(cw, "cuda", torch.bfloat16)[0].packed
+            return lk.select_w4a16_kernel(random_w4(k, n), "cuda", torch.bfloat16)[0].packed
         p4 = rotating(make_w4, k * n // 2)
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

@@ -16,10 +16,9 @@ MMA_ROWS = ("lqe-w4a16-mma", "lqe-w4a16-mma-dequant+cublas")
 
 
 def _canonical(k: int, n: int, dev: str):
-    from lqe.kernels.canonical import CanonicalWeight
+    from kernels import random_w4
 
-    return CanonicalWeight(torch.randint(0, 16, (k, n), dtype=torch.uint8, device=dev),
-                           (torch.rand(k // 128, n, device=dev) * 0.01 + 1e-3).half().float(), None, None, 4, 128)
+    return random_w4(k, n, dev, fp16_scales=True)
 
 
 def add_mma_rows(out: dict, k: int, n: int, rotating, cycler) -> None:
@@ -45,7 +44,7 @@ def add_mma_rows(out: dict, k: int, n: int, rotating, cycler) -> None:
 def w4a16_candidates(k: int, n: int, rotating, cycler) -> dict:
     """Only the W4A16 comparison set: ``name -> (setup(x) -> fn, weight_bytes)``."""
     import lqe.kernels as lk
-    from kernels import add_wna16_candidates
+    from kernels import add_int4pack_row, add_wna16_candidates
 
     dev, out = "cuda", {}
     wb16 = k * n * 2
@@ -63,17 +62,7 @@ def w4a16_candidates(k: int, n: int, rotating, cycler) -> dict:
         add_mma_rows(out, k, n, rotating, cycler)
     else:
         print(f"# lqe kernels unavailable: {lk.unavailable_reason()}")
-    try:
-        def make_i4():
-            wi = torch.randint(0, 16, (n, k), dtype=torch.int32, device=dev)
-            packed = torch._convert_weight_to_int4pack((wi[:, ::2] << 4 | wi[:, 1::2]).to(torch.uint8), 8)
-            sz = torch.stack([torch.rand(k // 128, n, device=dev), torch.zeros(k // 128, n, device=dev)], -1)
-            return packed, sz.to(torch.bfloat16).contiguous()
-        i4 = rotating(make_i4, k * n // 2)
-        out["torch-int4pack"] = (lambda x: (lambda c=cycler(i4): lambda: (lambda t: torch._weight_int4pack_mm(
-            x, t[0], 128, t[1]))(c()))(), k * n // 2)
-    except Exception as e:  # noqa: BLE001
-        print(f"# torch-int4pack skipped: {type(e).__name__}: {str(e)[:120]}")
+    add_int4pack_row(out, k, n, dev)
     return out
 
 
