@@ -25,8 +25,8 @@ try:
     import triton
     import triton.language as tl
 
-    from lqe.kernels.triton_gemm_common import (grouped_tile, kmajor_ptrs, scale_rows_cols, split_k_range,
-                                                store_tile, tile_offsets)
+    from lqe.kernels.triton_gemm_common import (grouped_tile, kmajor_ptrs, load_ab, scale_rows_cols,
+                                                split_k_range, store_tile, tile_offsets)
 except ImportError:  # pragma: no cover
     triton = None
     tl = None
@@ -146,13 +146,7 @@ if triton is not None:
         a_ptrs, b_ptrs = kmajor_ptrs(a_ptr, b_ptr, ram, rbn, rk, kb0, stride_am, stride_bn, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(kb0, kb1):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
-            else:
-                kmask = (kb * BLOCK_K + rk) < K
-                a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
+            a, b = load_ab(a_ptrs, b_ptrs, kb, rk, K, BLOCK_K, EVEN_K)
             if BLOCK_SCALE == 0:
                 acc = tl.dot(a, b, acc, out_dtype=tl.float32)
             else:  # BLOCK_K == BLOCK_SCALE: one activation group / weight block column per step

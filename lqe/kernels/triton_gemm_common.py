@@ -4,8 +4,9 @@ triton_gemv_w8a8.py), written once:
 * :func:`grouped_tile`: the grouped ("super-grouping") order of output tiles: ``GROUP_M`` row tiles sweep a column
   of tiles together so the weight tiles they share stay in L2;
 * :func:`split_k_range`: the K blocks ``[kb0, kb1)`` of split ``pid_k`` (``SPLIT_K`` even shares, the last ragged);
-* :func:`tile_offsets` / :func:`kmajor_ptrs`: a tile's row / column indices (out-of-range rows and columns re-read
-  a valid one, stores are masked) and the K-contiguous A ``[BLOCK_M, BLOCK_K]`` / B ``[BLOCK_K, BLOCK_N]`` pointers;
+* :func:`tile_offsets` / :func:`kmajor_ptrs` / :func:`load_ab`: a tile's row / column indices (out-of-range rows and
+  columns re-read a valid one, stores are masked), the K-contiguous A ``[BLOCK_M, BLOCK_K]`` / B ``[BLOCK_K, BLOCK_N]``
+  pointers and their loads (K-masked unless ``EVEN_K``);
 * :func:`scale_rows_cols` / :func:`store_tile`: the per-token x per-channel scale of the epilogue, and the bias add
   plus masked store;
 * :func:`per_token_vec` (host): a per-token or one-element tensor as (contiguous tensor, stride 1 or 0).
@@ -80,6 +81,18 @@ if triton is not None:
         a_ptrs = a_ptr + ram[:, None] * stride_am + (kb0 * BLOCK_K + rk)[None, :]
         b_ptrs = b_ptr + rbn[None, :] * stride_bn + (kb0 * BLOCK_K + rk)[:, None]
         return a_ptrs, b_ptrs
+
+    @triton.jit
+    def load_ab(a_ptrs, b_ptrs, kb, rk, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+        """The A and B tiles of K block ``kb`` (K-masked, zero-filled, unless ``EVEN_K``)."""
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            kmask = (kb * BLOCK_K + rk) < K
+            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
+        return a, b
 
     @triton.jit
     def scale_rows_cols(acc, rm, rn, mask_m, mask_n, a_scale_ptr, a_scale_stride, w_scale_ptr):

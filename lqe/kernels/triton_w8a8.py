@@ -32,8 +32,8 @@ try:
     import triton
     import triton.language as tl
 
-    from lqe.kernels.triton_gemm_common import (grouped_tile, kmajor_ptrs, scale_rows_cols, split_k_range,
-                                                store_tile, tile_offsets)
+    from lqe.kernels.triton_gemm_common import (grouped_tile, kmajor_ptrs, load_ab, scale_rows_cols,
+                                                split_k_range, store_tile, tile_offsets)
 except ImportError:  # pragma: no cover - triton is optional on CPU
     triton = None
     tl = None
@@ -190,13 +190,7 @@ if triton is not None:
         a_ptrs, b_ptrs = kmajor_ptrs(a_ptr, b_ptr, ram, rbn, rk, kb0, stride_am, stride_bn, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
         for kb in range(kb0, kb1):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
-            else:
-                kmask = (kb * BLOCK_K + rk) < K
-                a = tl.load(a_ptrs, mask=kmask[None, :], other=0)
-                b = tl.load(b_ptrs, mask=kmask[:, None], other=0)
+            a, b = load_ab(a_ptrs, b_ptrs, kb, rk, K, BLOCK_K, EVEN_K)
             acc = tl.dot(a, b, acc, out_dtype=tl.int32)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
