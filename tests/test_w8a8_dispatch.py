@@ -4,11 +4,6 @@ reference, including a whole W8A8 layer routed through the Triton / int_mm paths
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +11,8 @@ import torch
 from lqe.kernels import dispatch
 from lqe.kernels import triton_w8a8 as tw
 from lqe.kernels import w8a8 as kw
+from triton_compat import run_interpreted
 
-ROOT = Path(__file__).resolve().parents[1]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -100,22 +95,7 @@ def test_apply_picks_by_m_and_never_int_mm_below_17(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ interpreter
-# Triton 3.6's interpreter calls int() on 1-element arrays, which numpy >= 2.3 refuses for 1-d arrays; the shim
-# makes scalar loop bounds work (a harness fix only: the kernels are unchanged).
-SHIM = """
-import numpy as np
-import triton.runtime.interpreter as _ti
-_orig = _ti._patch_lang_tensor
-def _patched(tensor, scope):
-    _orig(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-_ti._patch_lang_tensor = _patched
-"""
-
-SCRIPT = textwrap.dedent("""
-    import sys
-    sys.path[:0] = [{root!r}, {tests!r}, {quant!r}]
-    exec({shim!r})
+SCRIPT = """
     import torch
     from lqe.kernels import triton_w8a8 as tw
     from lqe.kernels import w8a8 as kw
@@ -186,15 +166,12 @@ SCRIPT = textwrap.dedent("""
             err = (got.float() - exp.float()).abs().max().item()
             assert err <= 2e-3 * exp.float().abs().max().item() + 1e-3, (sym, static, m, err)
     print("W8A8-INTERPRET-OK")
-""")
+"""
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_triton_w8a8_under_interpreter():
-    script = SCRIPT.format(root=str(ROOT), tests=str(ROOT / "tests"), quant=str(ROOT / "tests" / "quant"), shim=SHIM)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    assert p.returncode == 0 and "W8A8-INTERPRET-OK" in p.stdout, p.stdout[-3000:] + p.stderr[-6000:]
+    run_interpreted(SCRIPT, "W8A8-INTERPRET-OK")
 
 
 def test_apply_sends_gemv_rows_to_the_gemv_up_to_16_tokens(monkeypatch):
