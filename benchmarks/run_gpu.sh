@@ -18,6 +18,7 @@
 #                                              # issue's GPU tests and its sweep, JSON; each under 8 minutes)
 # Stage time limits (seconds): LQE_TEST_TIMEOUT (300), LQE_KERNELS_TIMEOUT (150), LQE_E2E_TIMEOUT (240),
 # LQE_CALIB_TIMEOUT (300; LQE_CALIB_ARGS replaces "--layers 4 --methods gptq-sym").
+# LQE_BUDGET_S (560): the whole run's time budget; stages are cut / skipped to keep inside it (one device call: 600 s).
 # LQE_SKIP="kernels e2e calib" skips stages by name (reported as "skipped"); LQE_TESTS="tests/gpu/x.py" narrows stage 2.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +30,7 @@ if [[ "${1:-}" == --* ]]; then  # a focused stage: benchmarks/stages/<name>.sh
   fi
   shift; exec bash "$stage" "$@"
 fi
+T_START=$(date +%s)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUTDIR="${OUT:-benchmarks/results}"; mkdir -p "$OUTDIR"
 LOGDIR="$OUTDIR/logs"; mkdir -p "$LOGDIR"
@@ -51,7 +53,18 @@ python -c "import logging,sys;logging.basicConfig(level=logging.INFO);import lqe
 stage_rc[build]=${PIPESTATUS[0]}
 BUILD_S=$(python -c "import time;print(round(time.time()-$t0,1))")
 
-skip() { [[ " ${LQE_SKIP:-} " == *" $1 "* ]] && stage_rc[$1]=-1; }
+# The whole run keeps inside LQE_BUDGET_S seconds (default 560: one device call is limited to 600 s, and the summary
+# JSON must still be written): each stage's timeout is cut to what is left, and a stage with under 30 s left is
+# skipped and reported as "skipped (time budget)".
+T_END=$(( T_START + ${LQE_BUDGET_S:-560} ))
+skip() {
+  if [[ " ${LQE_SKIP:-} " == *" $1 "* ]]; then stage_rc[$1]=-1; return 0; fi
+  if (( T_END - $(date +%s) < 30 )); then stage_rc[$1]=-2; echo "-- $1: skipped (time budget LQE_BUDGET_S)"; return 0; fi
+  return 1
+}
+left() {  # left WANT: WANT seconds, or fewer if the budget ends sooner (10 s kept for the summary)
+  local l=$(( T_END - $(date +%s) - 10 )); (( l < $1 )) && echo "$l" || echo "$1"
+}
 
 echo "== [2/5] GPU tests (${LQE_TEST_JOBS:-6} pytest processes side by side)"
 if ! skip tests; then
@@ -72,7 +85,7 @@ PY
 )
   pids=()
   for i in "${!groups[@]}"; do
-    timeout "${LQE_TEST_TIMEOUT:-300}" python -m pytest -m gpu ${groups[$i]} -q -p no:cacheprovider \
+    timeout "$(left "${LQE_TEST_TIMEOUT:-300}")" python -m pytest -m gpu ${groups[$i]} -q -p no:cacheprovider \
       --junitxml="$LOGDIR/gpu-tests-$i.xml" > "$LOGDIR/gpu-tests-$i.txt" 2>&1 &
     pids+=($!)
   done
@@ -86,21 +99,21 @@ fi
 
 echo "== [3/5] kernel benchmark"
 if ! skip kernels; then
-  timeout "${LQE_KERNELS_TIMEOUT:-150}" python benchmarks/kernels.py --m ${LQE_KERNEL_MS:-1 4 16 64 256 1024} --out "$OUTDIR/kernels-$SLUG.json" 2>&1 \
+  timeout "$(left "${LQE_KERNELS_TIMEOUT:-150}")" python benchmarks/kernels.py --m ${LQE_KERNEL_MS:-1 4 16 64 256 1024} --out "$OUTDIR/kernels-$SLUG.json" 2>&1 \
     | tee "$LOGDIR/kernels.txt" | tail -60
   stage_rc[kernels]=${PIPESTATUS[0]}
 fi
 
 echo "== [4/5] end-to-end benchmark (--quick)"
 if ! skip e2e; then
-  timeout "${LQE_E2E_TIMEOUT:-240}" python benchmarks/e2e_gpu.py --quick --out-dir "$OUTDIR" ${LQE_E2E_ARGS:-} 2>&1 \
+  timeout "$(left "${LQE_E2E_TIMEOUT:-240}")" python benchmarks/e2e_gpu.py --quick --out-dir "$OUTDIR" ${LQE_E2E_ARGS:-} 2>&1 \
     | tee "$LOGDIR/e2e.txt" | grep -v "^\[lqe" | tail -30
   stage_rc[e2e]=${PIPESTATUS[0]}
 fi
 
 echo "== [5/5] calibration benchmark (llama3-8b shape, 4 layers, 128 x 2048 tokens; extrapolated to 32 layers)"
 if ! skip calib; then
-  timeout "${LQE_CALIB_TIMEOUT:-300}" python benchmarks/calibration_gpu.py --out "$OUTDIR/calibration-$SLUG.json" \
+  timeout "$(left "${LQE_CALIB_TIMEOUT:-300}")" python benchmarks/calibration_gpu.py --out "$OUTDIR/calibration-$SLUG.json" \
     ${LQE_CALIB_ARGS:---layers 4 --methods gptq-sym} 2>&1 | tee "$LOGDIR/calibration.txt" | grep "^\[\|^wrote" | tail -20
   stage_rc[calib]=${PIPESTATUS[0]}
 fi
@@ -131,7 +144,7 @@ commit = os.environ.get("LQE_COMMIT") or subprocess.run(["git", "rev-parse", "--
                                                         text=True).stdout.strip() or None
 report = {"commit": commit, "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
           "cuda": torch.version.cuda, "build_seconds": build_s, "tests": tests,
-          "stages": {k: ("ok" if v == 0 else "skipped" if v == -1 else f"exit {v}" + (" (timed out)" if v in (124, 137) else ""))
+          "stages": {k: ("ok" if v == 0 else "skipped" if v == -1 else "skipped (time budget)" if v == -2 else f"exit {v}" + (" (timed out)" if v in (124, 137) else ""))
                      for k, v in rcs.items()}}
 try:
     import triton
@@ -144,6 +157,6 @@ print(f"== summary ({out}): tests {tests['passed']} passed, {tests['failed']} fa
       f"build {build_s:.0f}s; stages {report['stages']}")
 for cid in tests["failed_ids"][:30]:
     print("   FAILED", cid)
-sys.exit(1 if tests["failed"] or any(v > 0 for v in rcs.values()) else 0)
+sys.exit(1 if tests["failed"] or any(v > 0 or v == -2 for v in rcs.values()) else 0)
 EOF
 exit $?
