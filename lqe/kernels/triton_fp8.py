@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from lqe.kernels.device_info import sm_count
+from lqe.kernels.triton_gemm_common import SplitKWorkspace
 
 try:
     import triton
@@ -94,28 +95,12 @@ def resolve(cfg: Fp8Config, m: int, n: int, k: int, device: torch.device | None)
 
 # ------------------------------------------------------------------------------------------------ workspace
 WS_ROWS = 512  # split_k * M_pad rows of fp32 partials per output column
-_WS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-_CNT_SLOTS = 8192
+_WS = SplitKWorkspace("triton-fp8", "lqe.kernels.triton_fp8", torch.float32)
 
 
 def reserve_workspace(device: torch.device | str, n: int) -> None:
     """Make the split-K workspace hold ``WS_ROWS x n`` partials. Call before a CUDA-graph capture."""
-    device = torch.device(device)
-    ws = _WS.get(str(device))
-    if ws is None or ws[0].numel() < WS_ROWS * n:
-        _WS[str(device)] = (torch.empty(WS_ROWS * max(n, 1), dtype=torch.float32, device=device),
-                            torch.zeros(_CNT_SLOTS, dtype=torch.int32, device=device))
-
-
-def _workspace(device: torch.device, n: int):
-    ws = _WS.get(str(device))
-    if ws is None or ws[0].numel() < WS_ROWS * n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("triton-fp8 split-K workspace too small during CUDA-graph capture: call "
-                               "lqe.kernels.triton_fp8.reserve_workspace before capturing")
-        reserve_workspace(device, n)
-        ws = _WS[str(device)]
-    return ws
+    _WS.reserve(device, WS_ROWS * n)
 
 
 # ------------------------------------------------------------------------------------------------ kernel
@@ -218,7 +203,7 @@ def fp8_mm(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: to
     split_k = max(1, min(cfg.split_k, math.ceil(k / cfg.block_k), WS_ROWS // m_pad))
     ws = cnt = sw
     if split_k > 1:
-        ws, cnt = _workspace(xq.device, n)
+        ws, cnt = _WS.acquire(xq.device, WS_ROWS * n, f"N={n}")
         if grid_mn > cnt.numel():
             split_k, ws, cnt = 1, sw, sw
     _fp8_mm_kernel[(grid_mn, split_k)](

@@ -9,7 +9,8 @@ triton_gemv_w8a8.py), written once:
   pointers and their loads (K-masked unless ``EVEN_K``);
 * :func:`scale_rows_cols` / :func:`store_tile`: the per-token x per-channel scale of the epilogue, and the bias add
   plus masked store;
-* :func:`per_token_vec` (host): a per-token or one-element tensor as (contiguous tensor, stride 1 or 0).
+* :func:`per_token_vec` (host): a per-token or one-element tensor as (contiguous tensor, stride 1 or 0);
+* :class:`SplitKWorkspace` (host): a kernel family's per-device split-K partials and per-tile arrival counters.
 
 The ``@triton.jit`` helpers are inlined into the calling kernel by Triton: no call, no extra registers; constexpr
 arguments stay constexpr.
@@ -24,6 +25,35 @@ try:
 except ImportError:  # pragma: no cover - triton is optional on CPU
     triton = None
     tl = None
+
+
+class SplitKWorkspace(dict):
+    """The split-K buffers of one kernel family, per device: ``self[str(device)] = (partials, arrival counters)``.
+
+    :meth:`reserve` grows them (at load, before any CUDA-graph capture: growing allocates); :meth:`acquire` grows
+    them outside a capture and refuses inside one, naming the reserve call to make first."""
+
+    def __init__(self, kernel: str, module: str, dtype: torch.dtype, zeroed: bool = False, cnt_slots: int = 8192):
+        super().__init__()
+        self.kernel, self.module, self.dtype, self.zeroed, self.cnt_slots = kernel, module, dtype, zeroed, cnt_slots
+
+    def reserve(self, device: torch.device | str, numel: int) -> None:
+        device = torch.device(device)
+        ws = self.get(str(device))
+        if ws is None or ws[0].numel() < numel:
+            alloc = torch.zeros if self.zeroed else torch.empty
+            self[str(device)] = (alloc(max(numel, 1), dtype=self.dtype, device=device),
+                                 torch.zeros(self.cnt_slots, dtype=torch.int32, device=device))
+
+    def acquire(self, device: torch.device, numel: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+        ws = self.get(str(device))
+        if ws is None or ws[0].numel() < numel:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"{self.kernel} split-K workspace too small for {what} during CUDA-graph capture: "
+                                   f"call {self.module}.reserve_workspace before capturing")
+            self.reserve(device, numel)
+            ws = self[str(device)]
+        return ws
 
 
 def per_token_vec(t: torch.Tensor | None, m: int, dtype: torch.dtype,

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from lqe.kernels.device_info import sm_count
-from lqe.kernels.triton_gemm_common import per_token_vec
+from lqe.kernels.triton_gemm_common import SplitKWorkspace, per_token_vec
 
 try:
     import triton
@@ -119,29 +119,13 @@ def resolve(cfg: GemvConfig, m: int, n: int, k: int, device: torch.device | None
 
 
 # ------------------------------------------------------------------------------------------------ workspace
-_WS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-_CNT_SLOTS = 8192
+_WS = SplitKWorkspace("triton-gemv", "lqe.kernels.triton_gemv_w8a8", torch.int32)
 
 
 def reserve_workspace(device: torch.device | str, n: int) -> None:
     """Make the split-K workspace of ``device`` hold ``WS_ROWS x n`` partial sums. Call before a CUDA-graph
     capture (growing it allocates). The counters start and stay zero between calls."""
-    device = torch.device(device)
-    ws = _WS.get(str(device))
-    if ws is None or ws[0].numel() < WS_ROWS * n:
-        _WS[str(device)] = (torch.empty(WS_ROWS * max(n, 1), dtype=torch.int32, device=device),
-                            torch.zeros(_CNT_SLOTS, dtype=torch.int32, device=device))
-
-
-def _workspace(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ws = _WS.get(str(device))
-    if ws is None or ws[0].numel() < WS_ROWS * n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"triton-gemv split-K workspace too small for N={n} during CUDA-graph capture: call "
-                               "lqe.kernels.triton_gemv_w8a8.reserve_workspace before capturing")
-        reserve_workspace(device, n)
-        ws = _WS[str(device)]
-    return ws
+    _WS.reserve(device, WS_ROWS * n)
 
 
 # ------------------------------------------------------------------------------------------------ kernel
@@ -269,7 +253,7 @@ def gemv_w8a8(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale:
     tiles = math.ceil(n / cfg.block_n)
     ws = cnt = w_scale  # unused without split-K
     if split_k > 1:
-        ws, cnt = _workspace(xq.device, n)
+        ws, cnt = _WS.acquire(xq.device, WS_ROWS * n, f"N={n}")
         if tiles > cnt.numel():
             split_k, ws, cnt = 1, w_scale, w_scale
     _gemv_kernel[(tiles, split_k)](

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from lqe.kernels.device_info import sm_count
-from lqe.kernels.triton_gemm_common import per_token_vec
+from lqe.kernels.triton_gemm_common import SplitKWorkspace, per_token_vec
 
 try:
     import triton
@@ -122,20 +122,13 @@ def auto_split_k(m: int, n: int, k: int, cfg: W8A8Config, sms: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ workspace
-_WS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-_CNT_SLOTS = 8192
+_WS = SplitKWorkspace("triton-w8a8", "lqe.kernels.triton_w8a8", torch.int32, zeroed=True)
 
 
 def reserve_workspace(device: torch.device | str, rows: int, n: int) -> None:
     """Make the split-K workspace of ``device`` hold ``rows x n`` int32 partial sums (zeroed). Call before any
     CUDA-graph capture: growing it allocates."""
-    device = torch.device(device)
-    key = str(device)
-    need = rows * n
-    ws = _WS.get(key)
-    if ws is None or ws[0].numel() < need:
-        _WS[key] = (torch.zeros(max(need, 1), dtype=torch.int32, device=device),
-                    torch.zeros(_CNT_SLOTS, dtype=torch.int32, device=device))
+    _WS.reserve(device, rows * n)
 
 
 def workspace_rows(table: list[tuple[int | None, W8A8Config]] | None = None) -> int:
@@ -145,17 +138,6 @@ def workspace_rows(table: list[tuple[int | None, W8A8Config]] | None = None) -> 
         if cfg.split_k != 1:
             rows = max(rows, math.ceil((max_m or 64) / cfg.block_m) * cfg.block_m)
     return max(rows, 16)
-
-
-def _workspace(device: torch.device, rows: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ws = _WS.get(str(device))
-    if ws is None or ws[0].numel() < rows * n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"triton-w8a8 split-K workspace too small for {rows}x{n} during CUDA-graph capture: "
-                               "call lqe.kernels.triton_w8a8.reserve_workspace before capturing")
-        reserve_workspace(device, rows, n)
-        ws = _WS[str(device)]
-    return ws
 
 
 # ------------------------------------------------------------------------------------------------ kernels
@@ -258,7 +240,8 @@ def w8a8_mm(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: t
     grid_mn = math.ceil(m / cfg.block_m) * math.ceil(n / cfg.block_n)
     split_k = min(cfg.split_k, math.ceil(k / cfg.block_k))
     if split_k > 1:
-        ws, cnt = _workspace(xq.device, math.ceil(m / cfg.block_m) * cfg.block_m, n)
+        rows = math.ceil(m / cfg.block_m) * cfg.block_m
+        ws, cnt = _WS.acquire(xq.device, rows * n, f"{rows}x{n}")
         if grid_mn > cnt.numel():
             split_k = 1
     else:
