@@ -1,5 +1,5 @@
 """One device-to-host sync per step (issue 26): every step that samples reads its token ids (and the finiteness
-flags) through ``ModelRunner.to_host`` once; a step that only prefills part of a prompt reads nothing. The rotary
+flags) through ``ModelRunner.to_host_start`` once; a step that only prefills part of a prompt reads nothing. The rotary
 cos/sin are gathered once per step, not once per layer."""
 import torch
 
@@ -8,7 +8,7 @@ from lqe.forward_context import ForwardContext, set_forward_context, step_cached
 
 
 def _syncs_per_step(llm, params) -> list[tuple[int, int]]:
-    """(tokens scheduled, to_host calls) of every step until the engine is idle."""
+    """(tokens scheduled, to_host_start calls) of every step until the engine is idle."""
     engine = llm.llm_engine
     out = []
     while engine.has_unfinished():
@@ -48,8 +48,8 @@ def test_nonfinite_flags_ride_the_same_copy(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, kv_cache_memory_bytes=32 << 20, max_model_len=256)
     runner = llm.llm_engine.runner
     calls = []
-    orig = runner.to_host
-    runner.to_host = lambda t: calls.append(tuple(t.shape)) or orig(t)
+    orig = runner.to_host_start
+    runner.to_host_start = lambda t: calls.append(tuple(t.shape)) or orig(t)
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True, temperature=0), use_tqdm=False)
     assert calls == [(2, 1), (2, 1)], calls  # [token ids; finite flags] x 1 row, once per step
 

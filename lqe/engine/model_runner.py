@@ -86,8 +86,8 @@ class ModelRunner:
         # host-time accounting (benchmarks): when on, each step waits for the GPU before sampling and counts it
         self.measure_gpu_wait = False
         self.gpu_wait_s = 0.0
-        self.host_syncs = 0  # device-to-host syncs (to_host calls): one per sampling step
-        self._pinned: list[torch.Tensor] | None = None  # to_host's two staging buffers and their events
+        self.host_syncs = 0  # device-to-host copies (to_host_start calls): one per sampling step
+        self._pinned: list[torch.Tensor] | None = None  # to_host_start's two staging buffers and events
         self._copied: list[torch.cuda.Event] | None = None
         self._pin_turn = 0
 
@@ -204,8 +204,7 @@ class ModelRunner:
         """Run the model on a scheduled step (K/V land in the cache); returns hidden states ``[T, hidden]``
         and the step's inputs. A step a token bucket covers replays its piecewise graphs: ``[bucket, hidden]``, the
         rows past the step's tokens are padding."""
-        # fp8 KV scales still to compute (first prefill): an eager step, never a graph
-        bucket = self.piecewise_bucket(sched) if not self.kv_calibrate else None
+        bucket = self.piecewise_bucket(sched)  # None while fp8 KV scales are still to compute: an eager step
         inp = self.prepare_inputs(sched, bucket)
         if self.device.type == "cuda":
             inp.meta.num_splits = self.decode_splits(inp.meta.num_seqs)
@@ -225,40 +224,42 @@ class ModelRunner:
                 m.calculate_kv_scales = False
         return hidden, inp
 
-    @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, sampling: SamplingBatch | None) -> StepResult:
+    def _step_logits(self, sched: SchedulerOutput):
+        """``(logits of the sampled rows or None, hidden, inputs)`` of a step: a decode graph when one covers it
+        (``hidden``, ``inputs`` None), else :meth:`forward` and the LM head on the rows that sample."""
         if self.graph_runner is not None and not self.kv_calibrate:  # fp8 scales still to compute: an eager step
             logits = self.graph_runner.run(sched)
             if logits is not None:
                 self.steps_by_path["decode_graph"] += 1
-                return StepResult(self._sample(logits, sched, sampling), {})
+                return logits, None, None
         hidden, inp = self.forward(sched)
-        sampled = None
+        logits = None
         if inp.num_sample:
-            rows = hidden if inp.sample_rows is None else hidden[inp.sample_rows]
-            logits = self.model.compute_logits(rows)
-            if self.tp_rank == 0:  # workers of a tensor-parallel engine only take part in the collectives
-                sampled = self._sample(logits, sched, sampling)
-        return StepResult(sampled, self._prompt_logprobs(sched, hidden, inp.meta.query_start_loc_cpu))
+            logits = self.model.compute_logits(hidden if inp.sample_rows is None else hidden[inp.sample_rows])
+        return logits, hidden, inp
 
-    def _sample(self, logits: torch.Tensor, sched: SchedulerOutput, sampling: SamplingBatch) -> SamplerOutput:
-        """Sample, then fail the requests whose logits were NaN / inf. The token ids and the finiteness flags come
-        back together in the step's one device-to-host copy (:meth:`to_host`); logprobs, when a request asks for
-        them, are read after it."""
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, sampling: SamplingBatch | None) -> StepResult:
+        logits, hidden, inp = self._step_logits(sched)
+        sampled = None
+        if logits is not None and self.tp_rank == 0:  # TP workers only take part in the collectives
+            sampled = self._launch_sample(logits, sched, sampling).result().sampled
+        prompt_lp = {} if hidden is None else self._prompt_logprobs(sched, hidden, inp.meta.query_start_loc_cpu)
+        return StepResult(sampled, prompt_lp)
+
+    def _launch_sample(self, logits: torch.Tensor, sched: SchedulerOutput, sampling: SamplingBatch) -> "PendingStep":
+        """Sample, and start the step's one device-to-host copy (:meth:`to_host_start`): the token ids and the
+        finiteness flags together; :meth:`PendingStep.result` waits for it, fails the requests whose logits were
+        NaN / inf, and reads logprobs when a request asks for them."""
         finite = torch.isfinite(logits).all(dim=-1)
         tokens, raw_logprobs = self.sampler.sample_tokens(logits, sampling)
-        token_list, ok = self.to_host(torch.stack([tokens.long(), finite.long()]))
-        raise_if_nonfinite(ok, sched)
-        return SamplerOutput(token_list, self.sampler.logprobs(raw_logprobs, token_list, sampling))
-
-    def to_host(self, t: torch.Tensor) -> list:
-        """The step's one device-to-host sync: ``t`` (int64) as a list. Counted in :attr:`host_syncs`. On CUDA a
-        non-blocking copy into pinned memory and a wait on its event (no stream or device synchronize), the wait
-        timed into :attr:`gpu_wait_s` when :attr:`measure_gpu_wait` is on."""
-        return self.to_host_wait(self.to_host_start(t))
+        both = torch.stack([tokens.long(), finite.long()])
+        return PendingStep(self, sched, sampling, both[0], raw_logprobs, self.to_host_start(both))
 
     def to_host_start(self, t: torch.Tensor):
-        """Start :meth:`to_host`'s copy (two pinned buffers alternate, so two steps may be in flight)."""
+        """Start the step's one device-to-host copy of ``t`` (int64), counted in :attr:`host_syncs`; on CUDA a
+        non-blocking copy into pinned memory (two buffers alternate, so two steps may be in flight) and an event.
+        :meth:`to_host_wait` waits on that event (no stream or device synchronize) and returns ``t`` as a list."""
         self.host_syncs += 1
         if t.device.type != "cuda":
             return t, None
@@ -286,21 +287,10 @@ class ModelRunner:
         """Launch a step (model, LM head, sampling) and start its one device-to-host copy without waiting for it:
         :meth:`PendingStep.result` waits. For async scheduling (:mod:`lqe.engine.async_steps`): no prompt logprobs,
         one rank. ``PendingStep.tokens`` holds the sampled ids on the device (the next step's pending inputs)."""
-        logits = None
-        if self.graph_runner is not None and not self.kv_calibrate:
-            logits = self.graph_runner.run(sched)
-            if logits is not None:
-                self.steps_by_path["decode_graph"] += 1
-        if logits is None:
-            hidden, inp = self.forward(sched)
-            if inp.num_sample:
-                logits = self.model.compute_logits(hidden if inp.sample_rows is None else hidden[inp.sample_rows])
+        logits, _, _ = self._step_logits(sched)
         if logits is None:
             return PendingStep(self, sched, sampling, None, None, None)
-        finite = torch.isfinite(logits).all(dim=-1)
-        tokens, raw_logprobs = self.sampler.sample_tokens(logits, sampling)
-        both = torch.stack([tokens.long(), finite.long()])
-        return PendingStep(self, sched, sampling, both[0], raw_logprobs, self.to_host_start(both))
+        return self._launch_sample(logits, sched, sampling)
 
     def _prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor, qsl: list[int]):
         result: dict[int, list[tuple[int, dict[int, tuple[float, int]]]]] = {}

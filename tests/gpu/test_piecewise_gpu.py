@@ -4,8 +4,8 @@
   piecewise replay is swapped for the eager forward of the padded inputs gives the same tokens and logprobs.
 * Against the plain eager engine (``enforce_eager=True``: unpadded GEMMs, no graphs) tokens agree except at a near
   tie (test_model_matrix's rule; padding changes GEMM tiles in bf16).
-* Steady-state mixed steps make no device-to-host sync besides the one of ``ModelRunner.to_host``
-  (``torch.cuda.set_sync_debug_mode("error")``; the event wait of ``to_host`` is not a stream sync).
+* Steady-state mixed steps make no device-to-host sync besides the one of ``ModelRunner.to_host_start``
+  (``torch.cuda.set_sync_debug_mode("error")``; the event wait of ``to_host_wait`` is not a stream sync).
 """
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def test_piecewise_engine_equals_eager_engine(name, checkpoints):
 
 def test_mixed_steps_make_one_host_sync(checkpoints):
     """Steady state: decodes beside prefill chunks, greedy; under sync debug mode "error" no step syncs the host
-    except through to_host (once per step), and the steps ran the piecewise graphs."""
+    except through to_host_start (once per step), and the steps ran the piecewise graphs."""
     from lqe import LLM, SamplingParams
 
     llm = LLM(checkpoints["base-base"], **{**ENGINE, "num_kv_blocks": 256, "enable_prefix_caching": False})
