@@ -3,7 +3,8 @@
     python benchmarks/kv_cache_gpu.py --out benchmarks/results/kvcache-<gpu>.json
 
 On a random-weight checkpoint of a real model's shape (default llama3-8b, bf16 weights, written once into
-``--cache``), for ``kv_cache_dtype`` = auto (bf16) then fp8 (e4m3, scales from the first prefill):
+``--cache``), for ``kv_cache_dtype`` = auto (bf16), fp8 (e4m3, scales from the first prefill, keys rotated: the
+default) and fp8-plain (the same without key rotation: what the rotation's two small matmuls per layer cost):
 
 * decode: ``--batch`` prompts of ``--context`` random tokens prefilled together, then ``--new-tokens`` tokens each;
   decode tokens/s counts the tokens after each request's first, from the last first token to the end (every
@@ -37,17 +38,23 @@ def _free_gpu() -> None:
     torch.cuda.empty_cache()
 
 
-def run(model_dir: Path, kv: str, args) -> dict:
+VARIANTS = {"auto": ("auto", True), "fp8": ("fp8", True), "fp8-plain": ("fp8", False)}  # name -> (dtype, rotation)
+
+
+def run(model_dir: Path, variant: str, args) -> dict:
     from lqe import LLM, SamplingParams
 
     t0 = time.perf_counter()
     max_len = args.context + args.new_tokens
-    llm = LLM(str(model_dir), dtype="bfloat16", kv_cache_dtype=kv, max_model_len=max_len, max_num_seqs=args.batch,
+    kv, rotation = VARIANTS[variant]
+    llm = LLM(str(model_dir), dtype="bfloat16", kv_cache_dtype=kv, kv_cache_key_rotation=rotation,
+              max_model_len=max_len, max_num_seqs=args.batch,
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
               gpu_memory_utilization=args.gpu_memory_utilization, max_cudagraph_batch=args.batch, seed=0)
     eng = llm.llm_engine
     r = eng.runner
-    row = {"kv_cache_dtype": kv, "kv_torch_dtype": str(r.kv_cache.dtype).removeprefix("torch."),
+    row = {"variant": variant, "kv_cache_dtype": kv, "kv_cache_key_rotation": rotation and kv != "auto",
+           "kv_torch_dtype": str(r.kv_cache.dtype).removeprefix("torch."),
            "attention_backend": r.attention_backend, "load_s": round(time.perf_counter() - t0, 1),
            "num_blocks": r.num_blocks, "block_size": r.block_size, "kv_bytes_per_token": r.kv_bytes_per_block() // r.block_size,
            "kv_cache_gib": r.kv_cache.numel() * r.kv_cache.element_size() / 2**30,
@@ -74,7 +81,7 @@ def run(model_dir: Path, kv: str, args) -> dict:
     row.update(weight_bytes=weights, kv_bytes_per_step=kv_read, step_ms=step_ms,
                floor_ms=1e3 * (weights + kv_read) / (args.hbm_gbs * 1e9),
                achieved_gbs=(weights + kv_read) / (step_ms / 1e3) / 1e9)
-    print(f"{kv:9s} [{row['kv_torch_dtype']}, {row['attention_backend']}] decode {row['decode_tok_s']:8.1f} tok/s "
+    print(f"{variant:9s} [{row['kv_torch_dtype']}, {row['attention_backend']}] decode {row['decode_tok_s']:8.1f} tok/s "
           f"(step {step_ms:.2f} ms, floor {row['floor_ms']:.2f} ms at {args.hbm_gbs:.0f} GB/s, "
           f"{row['achieved_gbs']:.0f} GB/s); {row['num_blocks']} blocks = {row['concurrent_seqs']} sequences of "
           f"{max_len} tokens ({row['kv_cache_gib']:.1f} GiB)", flush=True)
@@ -95,8 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--hbm-gbs", type=float, default=3350.0, help="memory bandwidth for the floor (H100 SXM: 3350)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--variants", default="auto,fp8,fp8-plain", help=f"comma-separated, from {', '.join(VARIANTS)}")
     p.add_argument("--out", default=None, help="JSON results file")
     args = p.parse_args(argv)
+    variants = args.variants.split(",")
+    if not {"auto", "fp8"} <= set(variants) or not set(variants) <= set(VARIANTS):
+        p.error(f"--variants {args.variants!r}: give auto and fp8 (the ratios' two sides), optionally fp8-plain")
     if not torch.cuda.is_available():
         print("kv_cache_gpu: no CUDA GPU visible", file=sys.stderr)
         return 2
@@ -104,12 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = build_random_model(args.shape, Path(args.cache) / f"{args.shape}-bf16", args.seed)
     res = {"shape": args.shape, "settings": {k: v for k, v in vars(args).items() if k not in ("out", "cache")},
            "env": environment(), "variants": {}}
-    for kv in ("auto", "fp8"):
-        res["variants"][kv] = run(model_dir, kv, args)
+    for v in variants:
+        res["variants"][v] = run(model_dir, v, args)
     b, f = res["variants"]["auto"], res["variants"]["fp8"]
     res["ratios"] = {"decode_tok_s": f["decode_tok_s"] / b["decode_tok_s"],
                      "blocks": f["num_blocks"] / b["num_blocks"],
                      "concurrent_seqs": f["concurrent_seqs"] / max(1, b["concurrent_seqs"])}
+    if "fp8-plain" in res["variants"]:  # the key rotation's cost: >= 0.97 expected (two [T*H, D] x [D, D] matmuls)
+        res["ratios"]["decode_tok_s_rotated_vs_plain"] = f["decode_tok_s"] / res["variants"]["fp8-plain"]["decode_tok_s"]
     res["targets"] = [
         {"target": "decode tok/s, fp8 / bf16 KV", "value": res["ratios"]["decode_tok_s"], "goal": ">= 1.4",
          "met": res["ratios"]["decode_tok_s"] >= 1.4},

@@ -49,6 +49,9 @@ class EngineConfig:
     # KV-cache storage: "auto" = the model dtype (fp8 when the checkpoint declares a kv_cache_scheme); "fp8" /
     # "fp8_e4m3" / "fp8_e5m2" store K/V in 8 bits with per-layer scales (the checkpoint's, else the first prefill's)
     kv_cache_dtype: str = "auto"
+    # fp8 cache: rotate each head's queries and keys by a randomized Hadamard matrix before the keys are quantized
+    # (q.k unchanged; the fp8 error of a score averages over head_dim products). False = vLLM's plain fp8 keys
+    kv_cache_key_rotation: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -60,6 +63,8 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose one of "
                              f"{', '.join(KV_CACHE_DTYPES)} ('auto' keeps the model's dtype, 'fp8' = 'fp8_e4m3')")
+        if not isinstance(self.kv_cache_key_rotation, bool):
+            raise ValueError(f"kv_cache_key_rotation={self.kv_cache_key_rotation!r} must be True or False")
         if not isinstance(self.cudagraph_mode, str) or self.cudagraph_mode.upper() not in CUDAGRAPH_MODES:
             raise ValueError(f"cudagraph_mode={self.cudagraph_mode!r} is not supported; choose one of "
                              f"{', '.join(CUDAGRAPH_MODES)} (FULL_DECODE_ONLY turns the piecewise graphs of mixed and "

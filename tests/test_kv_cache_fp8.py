@@ -135,24 +135,28 @@ def test_capacity_counts_bytes(tiny_llama_dir):
 
 
 def test_scales_from_first_prefill(tiny_llama_dir):
-    """vLLM's calculate_kv_scales: k_scale = max|k| / 200 and v_scale = max|v| / 100 of the first prefill, then
-    fixed; e4m3 (3 mantissa bits) stays closer to the 16-bit cache than e5m2 (2 bits); scales that make the
-    writes saturate wreck the outputs, so the kernels use them."""
+    """vLLM's calculate_kv_scales: k_scale = max|k'| / 200 (k' the rotated keys the cache stores) and
+    v_scale = max|v| / 100 of the first prefill, then fixed; e4m3 (3 mantissa bits) stays closer to the 16-bit
+    cache than e5m2 (2 bits); scales that make the writes saturate wreck the outputs, so the kernels use them."""
     kw = dict(kv_cache_memory_bytes=4 << 20, max_model_len=256)
     base = _prompt_logprobs(LLM(tiny_llama_dir, **kw))
     llm = LLM(tiny_llama_dir, kv_cache_dtype="fp8", **kw)
     layers = _attn(llm)
     seen = {}
-    hooks = [m.register_forward_pre_hook(
-        lambda m, a, i=i: None if i in seen else seen.update({i: (a[1].abs().max(), a[2].abs().max())}))
-        for i, m in enumerate(layers)]
+
+    def hook(m, a, i):
+        if i not in seen:
+            k = a[1].view(a[1].shape[0], m.num_kv_heads, m.head_dim).float()
+            seen[i] = ((k @ m.rot_k).abs().max(), k.abs().max(), a[2].abs().max())
+    hooks = [m.register_forward_pre_hook(lambda m, a, i=i: hook(m, a, i)) for i, m in enumerate(layers)]
     assert all(float(m.k_scale) == 1.0 for m in layers)
     lp = _prompt_logprobs(llm)
     for h in hooks:
         h.remove()
     for i, m in enumerate(layers):
         torch.testing.assert_close(m.k_scale, (seen[i][0] / 200).reshape(1))
-        torch.testing.assert_close(m.v_scale, (seen[i][1] / 100).reshape(1))
+        torch.testing.assert_close(m.v_scale, (seen[i][2] / 100).reshape(1))
+        assert seen[i][0] <= seen[i][1]  # |k M / D| <= max|k|: a checkpoint's k_scale cannot saturate
     first = [(m.k_scale.clone(), m.v_scale.clone()) for m in layers]
     _prompt_logprobs(llm, [x + 11 for x in PROMPT[:30]])
     assert all(torch.equal(m.k_scale, k) and torch.equal(m.v_scale, v) for m, (k, v) in zip(layers, first))
@@ -232,3 +236,41 @@ def test_accuracy_benchmark_kv_cache_flag(tiny_llama_dir, tmp_path):
                               "--kv-cache-dtype", kv]) for kv in ("auto", "fp8_e5m2")}
     assert (res["auto"]["kv_cache_torch_dtype"], res["fp8_e5m2"]["kv_cache_torch_dtype"]) == ("float32", "float8_e5m2")
     assert res["auto"]["tokens"] == res["fp8_e5m2"]["tokens"] and res["auto"]["ppl"] != res["fp8_e5m2"]["ppl"]
+
+
+def test_accuracy_benchmark_key_rotation_and_calibrated_scales(tiny_llama_dir, tmp_path):
+    """``--no-kv-cache-key-rotation`` and ``--kv-scales calibrated`` (a calibrated checkpoint's max / 448 of the
+    unrotated keys and values, measured on a 16-bit twin) reach the engine and change the perplexity."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    import accuracy
+
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"word{i % 37} and more text {i}" for i in range(400)))
+    base = ["--model", tiny_llama_dir, "--dataset", str(text), "--seq-len", "48", "--max-windows", "2",
+            "--kv-cache-dtype", "fp8"]
+    rot, plain = accuracy.main(base), accuracy.main(base + ["--no-kv-cache-key-rotation"])
+    assert (rot["kv_cache_key_rotation"], plain["kv_cache_key_rotation"]) == (True, False)
+    assert rot["ppl"] != plain["ppl"]
+    cal = accuracy.main(base + ["--kv-scales", "calibrated"])
+    assert cal["kv_scales"] == "calibrated" and cal["ppl"] != rot["ppl"]
+    assert accuracy.main(["--model", tiny_llama_dir, "--dataset", str(text), "--seq-len", "48", "--max-windows", "1",
+                          "--kv-scales", "calibrated"])["kv_scales"] is None  # a 16-bit cache has no scales
+
+
+def test_calibrated_scales_are_max_over_448(tiny_llama_dir):
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    import accuracy
+
+    llm = LLM(tiny_llama_dir, kv_cache_dtype="fp8", kv_cache_memory_bytes=4 << 20, max_model_len=256)
+    seen = {}
+    ref_llm = LLM(tiny_llama_dir, kv_cache_memory_bytes=4 << 20, max_model_len=256)
+    for i, m in enumerate(_attn(ref_llm)):
+        m.register_forward_pre_hook(lambda m, a, i=i: seen.setdefault(i, (a[1].abs().max(), a[2].abs().max())) and None)
+    _prompt_logprobs(ref_llm)
+    accuracy.set_calibrated_kv_scales(llm, PROMPT)
+    for i, m in enumerate(_attn(llm)):
+        torch.testing.assert_close(m.k_scale, (seen[i][0] / 448).reshape(1))
+        torch.testing.assert_close(m.v_scale, (seen[i][1] / 448).reshape(1))
+    assert llm.llm_engine.runner.kv_calibrate == []

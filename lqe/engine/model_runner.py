@@ -148,9 +148,15 @@ class ModelRunner:
             return
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.kv_calibrate = [m for m in layers if m.kv_scales_loaded != {"k_scale", "v_scale"}]
-        logger.info("KV cache %s: scales from the checkpoint for %d layers, from the first prefill for %d",
-                    str(self.kv_dtype).removeprefix("torch."), len(layers) - len(self.kv_calibrate),
-                    len(self.kv_calibrate))
+        rotated = self.config.kv_cache_key_rotation and all([m.set_key_rotation(self.dtype) for m in layers])
+        if self.config.kv_cache_key_rotation and not rotated:
+            for m in layers:
+                m.rot_q = m.rot_k = None
+            logger.warning("KV cache: no Hadamard matrix of order head_dim=%d is known; keys are stored unrotated",
+                           self.model_cfg.head_dim)
+        logger.info("KV cache %s%s: scales from the checkpoint for %d layers, from the first prefill for %d",
+                    str(self.kv_dtype).removeprefix("torch."), ", keys rotated" if rotated else "",
+                    len(layers) - len(self.kv_calibrate), len(self.kv_calibrate))
 
     def decode_splits(self, num_seqs: int) -> int:
         """Split count of the decode attention for a step of ``num_seqs`` sequences: a function of the batch's

@@ -44,7 +44,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
                    help="KV-cache storage; fp8 = fp8_e4m3, per-layer scales from the checkpoint or the first prefill "
                         "(default auto: the model's dtype)")
+    p.add_argument("--kv-cache-key-rotation", action=argparse.BooleanOptionalAction, default=True,
+                   help="fp8 cache: rotate queries and keys per head by a Hadamard matrix before the keys are quantized "
+                        "(default on)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: run every step eagerly (no decode CUDA graphs)")
+    p.add_argument("--cudagraph-mode", default="FULL_DECODE_ONLY", type=str.upper,
+                   choices=["FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "NONE"],
+                   help="CUDA graphs: decode steps only (default), also mixed / prefill steps per token bucket, or none")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+                   help="schedule and prepare the next step while the device runs this one (default off)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="shard the model over N worker processes / GPUs (default 1)")
     p.add_argument("--max-cudagraph-batch", type=_positive_int, default=256,
@@ -66,7 +74,8 @@ def _llm(args):
                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                kv_cache_memory_bytes=args.kv_cache_memory_bytes, enforce_eager=args.enforce_eager,
                max_cudagraph_batch=args.max_cudagraph_batch, tensor_parallel_size=args.tensor_parallel_size,
-               kv_cache_dtype=args.kv_cache_dtype)
+               kv_cache_dtype=args.kv_cache_dtype, kv_cache_key_rotation=args.kv_cache_key_rotation,
+               cudagraph_mode=args.cudagraph_mode, async_scheduling=args.async_scheduling)
 
 
 def _params(args):

@@ -157,6 +157,14 @@ def _kv_cache_dtype(value: str) -> str:
     return value
 
 
+def _cudagraph_mode(value: str) -> str:
+    from lqe.config import CUDAGRAPH_MODES
+
+    if value.upper() not in CUDAGRAPH_MODES:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a CUDA-graph mode; choose one of {', '.join(CUDAGRAPH_MODES)}")
+    return value.upper()
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("model", nargs="?", default=None,
                         help="local model directory, 'smollm2-135m-instruct', or a hub id (or use --model)")
@@ -188,6 +196,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="KV-cache storage: auto | fp8 | fp8_e4m3 | fp8_e5m2; fp8 halves the cache of a 16-bit "
                              "model, with per-layer scales from the checkpoint or the first prefill (default auto: "
                              "the model's dtype, fp8 when the checkpoint declares a kv_cache_scheme)")
+    parser.add_argument("--kv-cache-key-rotation", action=argparse.BooleanOptionalAction, default=None,
+                        help="fp8 cache: rotate each head's queries and keys by a Hadamard matrix before the keys are "
+                             "quantized, so q.k is unchanged and its fp8 error averages out (default: on)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
     parser.add_argument("--revision", default=None, help="hub revision of the model (default: the latest)")
     parser.add_argument("--chat-template", default=None,
@@ -198,6 +209,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="CUDA: run every step eagerly (no decode CUDA graphs)")
     parser.add_argument("--max-cudagraph-batch", type=int, default=None,
                         help="largest decode batch replayed from a CUDA graph (default 256)")
+    parser.add_argument("--cudagraph-mode", type=_cudagraph_mode, default=None,
+                        help="CUDA graphs: FULL_DECODE_ONLY (decode steps; the default), FULL_AND_PIECEWISE (also "
+                             "mixed and prefill steps, per token bucket) or NONE")
+    parser.add_argument("--max-piecewise-tokens", type=int, default=None,
+                        help="largest token bucket of the piecewise graphs (default: --max-num-batched-tokens)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="schedule and prepare the next step while the device runs this one (default: off)")
     parser.add_argument("--trust-remote-code", action="store_true", default=None,
                         help="let transformers run code shipped with the model's config/tokenizer (default: off)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
@@ -220,7 +238,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 _ENGINE_ARGS = ("quantization", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization", "tokenizer", "seed",
                 "enforce_eager", "max_cudagraph_batch", "trust_remote_code", "block_size", "enable_prefix_caching",
-                "revision", "allow_nonfinite_weights", "tensor_parallel_size", "kv_cache_dtype")
+                "revision", "allow_nonfinite_weights", "tensor_parallel_size", "kv_cache_dtype",
+                "kv_cache_key_rotation", "cudagraph_mode", "max_piecewise_tokens", "async_scheduling")
 
 
 def model_arg(args: argparse.Namespace) -> str:

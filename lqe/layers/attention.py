@@ -9,6 +9,17 @@ fp8 KV cache (``kv_cache_dtype``): every layer owns ``k_scale`` / ``v_scale``, f
 element (the cache holds ``k / k_scale``). They come from the checkpoint (:func:`kv_scale_targets` maps its
 names) or, when it has none, from the first prefill (:meth:`Attention.calc_kv_scales`, vLLM's rule); they are
 updated in place, so CUDA graphs captured before the first prefill read the final values.
+
+Key rotation (``kv_cache_key_rotation``, on by default with an fp8 cache): before a step's keys are stored, every
+head's query and key are multiplied by one randomized Hadamard matrix ``M`` (entries +-1, ``M M^T = D I``):
+``q' = q M`` in the model dtype (exact: +-1 entries, fp32 accumulation) and ``k' = k M / D`` in float32, so
+``q' . k' = q . k`` and attention computes the same function. Keys carry a few outlier channels (RoPE's slow
+dimensions, attention sinks) whose products with the query dominate a score, and fp8's 3-bit mantissa error on
+them goes straight into the logits; the rotation spreads every channel over all ``D``, so the error of a score
+averages over ``D`` products instead. SmolLM2 WikiText-2: e4m3 +1.1 % ppl without, +0.5 % with (README).
+``|k'|max <= |k|max``, so a checkpoint's ``k_scale`` (calibrated on unrotated keys) never saturates; scales from the
+first prefill are computed on ``k'``. Values are not rotated: their fp8 error is small and rotation made it
+larger (measured).
 """
 from __future__ import annotations
 
@@ -19,6 +30,7 @@ from torch import nn
 
 from lqe.forward_context import get_forward_context
 from lqe.kernels.attention_backends import AttentionBackend, TorchAttentionBackend
+from lqe.kernels.hadamard import signed_hadamard
 
 # vLLM's calculate_kv_scales divisors (envs K_SCALE_CONSTANT / V_SCALE_CONSTANT): scale = absmax / range, so the
 # first prefill's largest |k| lands on 200 and |v| on 100, leaving headroom below e4m3's 448 for later tokens
@@ -40,31 +52,48 @@ class Attention(nn.Module):
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.kv_scales_loaded: set[str] = set()  # "k_scale" / "v_scale" the checkpoint gave this layer
         self.calculate_kv_scales = False  # set by the model runner for the first prefill of an fp8 cache
+        # key rotation of an fp8 cache (see the module doc): q' = q @ rot_q, k' = k.float() @ rot_k; None = off
+        self.register_buffer("rot_q", None, persistent=False)
+        self.register_buffer("rot_k", None, persistent=False)
+
+    def set_key_rotation(self, query_dtype: torch.dtype, seed: int = 0) -> bool:
+        """Rotate queries (of ``query_dtype``, the model's) and keys by a randomized Hadamard matrix of order
+        ``head_dim`` from now on; call it before the cache holds any key (it would mix rotated and unrotated ones).
+        False, and nothing changes, when no Hadamard matrix of that order is known."""
+        h = signed_hadamard(self.head_dim, seed)
+        if h is None:
+            return False
+        device = self.k_scale.device
+        self.rot_q = h.to(device=device, dtype=query_dtype)
+        self.rot_k = (h / self.head_dim).to(device=device, dtype=torch.float32)
+        return True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         if ctx.split_attention is not None:  # piecewise-graph capture: the cut point (lqe.engine.piecewise)
             return ctx.split_attention(self, q, k, v)
-        if self.calculate_kv_scales:
-            t = q.shape[0]
-            self.calc_kv_scales(k.view(t, self.num_kv_heads, self.head_dim), v.view(t, self.num_kv_heads, self.head_dim),
-                                ctx.attn_metadata.slot_mapping)
         return self.attend(q, k, v, ctx.attn_metadata, ctx.kv_caches[self.layer_idx])
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, cache: torch.Tensor) -> torch.Tensor:
         """Store ``k``/``v`` and attend with ``meta`` over this layer's ``cache``: ``[T, heads * head_dim]``. The
         piecewise-graph replay calls it between two captured pieces with the step's real metadata."""
         t = q.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.rot_q is not None:
+            q, k = torch.matmul(q, self.rot_q), torch.matmul(k.float(), self.rot_k)
+        if self.calculate_kv_scales:
+            self.calc_kv_scales(k, v, meta.slot_mapping)
         scales = (self.k_scale, self.v_scale) if cache.element_size() == 1 else ()
-        out = self.backend.forward(q.view(t, self.num_heads, self.head_dim), k, v, cache, meta, self.scale, *scales)
+        out = self.backend.forward(q, k, v, cache, meta, self.scale, *scales)
         return out.reshape(t, self.num_heads * self.head_dim)
 
     @torch.no_grad()
     def calc_kv_scales(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """vLLM's ``calc_kv_scales``: ``k_scale = max|k| / 200``, ``v_scale = max|v| / 100`` over the tokens this
-        step stores (padding rows excluded), once; a zero absmax keeps the scale at 1."""
+        step stores (padding rows excluded; ``k`` rotated when the layer rotates keys), once; a zero absmax keeps
+        the scale at 1."""
         rows = slot_mapping[: k.shape[0]] >= 0
         if not bool(rows.any()):
             return

@@ -21,94 +21,36 @@ that loads the model layer by layer rotates each layer when it arrives. Arithmet
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 from torch import nn
 
+from lqe.kernels import hadamard as _hd
+from lqe.kernels.hadamard import ROTATIONS
 from tools.convert.spec import ConvertError
 
-ROTATIONS = ("hadamard", "orthogonal")
 READERS = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
            "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")}
 WRITERS = ("self_attn.o_proj", "mlp.down_proj")
 
 
-def _is_prime(p: int) -> bool:
-    return p >= 2 and all(p % d for d in range(2, int(math.isqrt(p)) + 1))
-
-
-def _jacobsthal(q: int) -> torch.Tensor:
-    """``Q[i, j] = chi(j - i)`` with chi the quadratic character mod the prime ``q``."""
-    squares = {(x * x) % q for x in range(1, q)}
-    chi = torch.tensor([0] + [1 if d in squares else -1 for d in range(1, q)], dtype=torch.float64)
-    idx = (torch.arange(q)[None, :] - torch.arange(q)[:, None]) % q
-    return chi[idx]
-
-
-def _paley(n: int) -> torch.Tensor | None:
-    """A Hadamard matrix of order ``n`` from Paley's constructions (I: ``n = q + 1``, q prime = 3 mod 4; II:
-    ``n = 2 (q + 1)``, q prime = 1 mod 4), or None."""
-    q = n - 1
-    if _is_prime(q) and q % 4 == 3:
-        s = torch.zeros(n, n, dtype=torch.float64)
-        s[0, 1:], s[1:, 0], s[1:, 1:] = 1, -1, _jacobsthal(q)
-        return s + torch.eye(n, dtype=torch.float64)
-    q = n // 2 - 1
-    if n % 2 == 0 and _is_prime(q) and q % 4 == 1:
-        c = torch.zeros(q + 1, q + 1, dtype=torch.float64)
-        c[0, 1:], c[1:, 0], c[1:, 1:] = 1, 1, _jacobsthal(q)
-        a = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
-        b = torch.tensor([[1.0, -1.0], [-1.0, -1.0]], dtype=torch.float64)
-        return torch.kron(c, a) + torch.kron(torch.eye(q + 1, dtype=torch.float64), b)
-    return None
-
-
-@lru_cache(maxsize=None)
-def _hadamard(n: int) -> torch.Tensor | None:
-    if n == 1:
-        return torch.ones(1, 1, dtype=torch.float64)
-    if n == 2:
-        return torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
-    if n % 4:
-        return None
-    half = _hadamard(n // 2)
-    if half is not None:  # Sylvester doubling
-        return torch.kron(_hadamard(2), half)
-    base = _paley(n)
-    if base is not None:
-        if not torch.equal(base @ base.t(), n * torch.eye(n, dtype=torch.float64)):
-            raise ConvertError(f"internal error: the Paley matrix of order {n} is not a Hadamard matrix")
-        return base
-    for d in [d for d in range(4, n // 4 + 1) if n % d == 0]:  # Kronecker products
-        left, right = _hadamard(d), _hadamard(n // d)
-        if left is not None and right is not None:
-            return torch.kron(left, right)
-    return None
-
-
 def hadamard(n: int) -> torch.Tensor:
-    """An ``n x n`` Hadamard matrix (entries +-1, ``H H^T = n I``), float64, built from Sylvester doubling, Paley
-    I/II and Kronecker products; ConvertError when none of those reaches ``n``."""
-    h = _hadamard(n)
-    if h is None:
-        raise ConvertError(f"no Hadamard matrix of order {n} from Sylvester/Paley constructions; use --rotate orthogonal")
-    return h.clone()  # Kronecker products of Hadamard matrices are Hadamard: only the Paley bases need checking
+    """An ``n x n`` Hadamard matrix (:func:`lqe.kernels.hadamard.hadamard`); ConvertError when none is known."""
+    try:
+        return _hd.hadamard(n)
+    except ValueError as e:
+        raise ConvertError(f"{e}; use --rotate orthogonal") from None
 
 
 def rotation_matrix(kind: str, n: int, seed: int = 0) -> torch.Tensor:
-    """Orthogonal ``[n, n]`` float64: ``hadamard`` = ``diag(random signs) H / sqrt(n)`` (QuaRot's randomized
-    Hadamard), ``orthogonal`` = Q of the QR of a Gaussian matrix (signs fixed so it is Haar-distributed)."""
-    gen = torch.Generator().manual_seed(seed)
+    """Orthogonal ``[n, n]`` float64 (:func:`lqe.kernels.hadamard.rotation_matrix`); ConvertError on a bad kind or
+    an order without a Hadamard matrix."""
+    if kind not in ROTATIONS:
+        raise ConvertError(f"unknown rotation {kind!r}; choose one of {ROTATIONS}")
     if kind == "hadamard":
-        signs = torch.randint(0, 2, (n,), generator=gen).double() * 2 - 1
-        return signs[:, None] * hadamard(n) / math.sqrt(n)
-    if kind == "orthogonal":
-        q, r = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
-        return q * torch.sign(torch.diagonal(r))[None, :]
-    raise ConvertError(f"unknown rotation {kind!r}; choose one of {ROTATIONS}")
+        hadamard(n)  # the ConvertError with its hint
+    return _hd.rotation_matrix(kind, n, seed)
 
 
 @dataclass(slots=True)
