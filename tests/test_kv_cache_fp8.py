@@ -274,3 +274,22 @@ def test_calibrated_scales_are_max_over_448(tiny_llama_dir):
         torch.testing.assert_close(m.k_scale, (seen[i][0] / 448).reshape(1))
         torch.testing.assert_close(m.v_scale, (seen[i][1] / 448).reshape(1))
     assert llm.llm_engine.runner.kv_calibrate == []
+
+
+def test_kv_cache_accuracy_benchmark_rows(tiny_llama_dir, tmp_path):
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    import kv_cache_accuracy
+
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"word{i % 37} and more text {i}" for i in range(400)))
+    out = tmp_path / "kv.json"
+    res = kv_cache_accuracy.main(["--model", tiny_llama_dir, "--dtype", "float32", "--dataset", str(text),
+                                  "--seq-len", "48", "--max-windows", "1", "--out", str(out)])
+    assert json.loads(out.read_text())["rows"] == res["rows"]
+    assert [(r["kv_cache_dtype"], r["kv_cache_key_rotation"], r["kv_scales"]) for r in res["rows"]] == [
+        ("auto", False, None), ("fp8_e4m3", True, "prefill"), ("fp8_e4m3", True, "calibrated"),
+        ("fp8_e4m3", False, "prefill"), ("fp8_e4m3", False, "calibrated"),
+        ("fp8_e5m2", True, "prefill"), ("fp8_e5m2", False, "prefill")]
+    assert res["rows"][0]["ppl_increase_vs_16bit"] == 0 and len({r["ppl"] for r in res["rows"]}) == 7
+    assert [t["goal"] for t in res["targets"]] == ["<= 0.01", "<= 0.01", "<= 0.03"]
