@@ -75,6 +75,9 @@ def test_option_validation():
         assert build_parser().parse_args([cmd, *extra, "--kv-cache-dtype", "fp8_e5m2"]).kv_cache_dtype == "fp8_e5m2"
         with pytest.raises(SystemExit):
             build_parser().parse_args([cmd, *extra, "--kv-cache-dtype", "int8"])
+        a = build_parser().parse_args([cmd, *extra, "--no-kv-cache-key-rotation", "--cudagraph-mode", "none",
+                                       "--async-scheduling"])
+        assert (a.kv_cache_key_rotation, a.cudagraph_mode, a.async_scheduling) == (False, "NONE", True)
     with pytest.raises(ValueError, match="strategy 'tensor'"):
         resolve_kv_cache_dtype("auto", {"quantization_config": {"kv_cache_scheme": dict(KV_SCHEME, strategy="attn_head")}},
                                torch.bfloat16)

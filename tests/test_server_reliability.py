@@ -307,6 +307,22 @@ def test_serve_flags():
         p.parse_args(["m", "--kv-cache-dtype", "int8"])
 
 
+def test_serve_graph_async_and_rotation_flags_reach_the_engine_config():
+    from lqe.config import EngineConfig
+    from lqe.entrypoints.openai_server import _ENGINE_ARGS
+
+    p = add_serve_args(argparse.ArgumentParser())
+    a = p.parse_args(["m", "--cudagraph-mode", "full_and_piecewise", "--max-piecewise-tokens", "256",
+                      "--async-scheduling", "--no-kv-cache-key-rotation"])
+    cfg = EngineConfig.from_kwargs("m", **{k: getattr(a, k) for k in _ENGINE_ARGS if getattr(a, k, None) is not None})
+    assert (cfg.cudagraph_mode, cfg.max_piecewise_tokens, cfg.async_scheduling, cfg.kv_cache_key_rotation) == (
+        "FULL_AND_PIECEWISE", 256, True, False)
+    d = p.parse_args(["m"])
+    assert (d.cudagraph_mode, d.max_piecewise_tokens, d.async_scheduling, d.kv_cache_key_rotation) == (None,) * 4
+    with pytest.raises(SystemExit):
+        p.parse_args(["m", "--cudagraph-mode", "piecewise"])
+
+
 def test_serve_cli_builds_engine_with_flags(tiny_llama_dir, tmp_path):
     from lqe.entrypoints.openai_server import build_engine
 

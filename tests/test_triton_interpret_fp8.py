@@ -42,6 +42,22 @@ SCRIPT = """
     want = TorchAttentionBackend().forward(q, k, v, c2, meta, 0.2, ks, vs)
     assert torch.equal(c1.view(torch.uint8), c2.view(torch.uint8))
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+    # key rotation (the layer hands the kernels bf16 rotated queries and float32 rotated keys): triton == torch,
+    # the same stored bytes
+    from lqe.layers.attention import Attention
+    q, k, v, cache, meta = A.make_case([(1, 50), (7, 12), (1, 3)], 4, 2, 32, torch.bfloat16, "cpu")
+    outs = []
+    for be in (backend, TorchAttentionBackend()):
+        layer = Attention(4, 32, 2, 0.2, 0)
+        layer.backend = be
+        assert layer.set_key_rotation(torch.bfloat16)
+        layer.k_scale.fill_(0.02), layer.v_scale.fill_(0.05)
+        c = ref.quantize_kv(cache.float(), ks, E4M3)
+        t = q.shape[0]
+        outs.append((layer.attend(q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1), meta, c), c))
+    assert torch.equal(outs[0][1].view(torch.uint8), outs[1][1].view(torch.uint8))
+    torch.testing.assert_close(outs[0][0].float(), outs[1][0].float(), atol=2e-2, rtol=2e-2)
     print("TRITON-INTERPRET-FP8-OK")
 """
 

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Issue 29 (fp8 KV cache): `bash benchmarks/run_gpu.sh --kvcache`. About 6 minutes on an H100:
+# Issue 29 (fp8 KV cache): `bash benchmarks/run_gpu.sh --kvcache`. About 7 minutes on an H100:
 #   1. build the CUDA kernels (common.sh),
 #   2. the GPU tests of the Triton paged attention over fp8 caches (store bytes == the torch reference, prefill /
 #      split-K decode / mixed batches vs the reference, scales read at replay time by a CUDA graph), and the bf16
 #      attention tests beside them (~1 min),
 #   3. decode at 4k-token contexts, batch 64, on the llama3-8b shape (random bf16 weights, written once into
-#      $LQE_CACHE_DIR/lqe-bench-models): bf16 then fp8 KV in the same run, tok/s with the byte floor, and the
-#      allocator's blocks / concurrent sequences at gpu_memory_utilization 0.9 -> $OUTDIR/kvcache-$SLUG.json (~4 min).
-# Time limits (s): LQE_TEST_TIMEOUT (120), LQE_KV_TIMEOUT (330). LQE_SKIP="tests bench" skips steps.
+#      $LQE_CACHE_DIR/lqe-bench-models): bf16, fp8 KV (keys rotated, the default) and fp8-plain (no rotation: its
+#      cost) in the same run, tok/s with the byte floor, and the allocator's blocks / concurrent sequences at
+#      gpu_memory_utilization 0.9 -> $OUTDIR/kvcache-$SLUG.json (~5 min; LQE_KV_ARGS="--variants auto,fp8" ~4).
+# Time limits (s): LQE_TEST_TIMEOUT (120), LQE_KV_TIMEOUT (420). LQE_SKIP="tests bench" skips steps.
 # LQE_KV_ARGS replaces the benchmark's arguments (e.g. "--shape smollm2-135m" for a quick check).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 rc=0
@@ -21,7 +22,7 @@ fi
 if ! skip bench; then
   echo "== fp8 vs bf16 KV cache: decode at 4k contexts x 64, capacity"
   # shellcheck disable=SC2086
-  timeout "${LQE_KV_TIMEOUT:-330}" python benchmarks/kv_cache_gpu.py ${LQE_KV_ARGS:-} --out "$OUTDIR/kvcache-$SLUG.json" \
+  timeout "${LQE_KV_TIMEOUT:-420}" python benchmarks/kv_cache_gpu.py ${LQE_KV_ARGS:-} --out "$OUTDIR/kvcache-$SLUG.json" \
     2>&1 | tee "$LOGDIR/kvcache.log" | grep -v "^\[lqe"
   brc=${PIPESTATUS[0]}
   [[ $brc -eq 0 ]] || { echo "kv_cache_gpu: exit $brc (log: $LOGDIR/kvcache.log)"; rc=1; }
