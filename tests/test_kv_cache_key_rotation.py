@@ -14,7 +14,7 @@ from lqe.config import EngineConfig
 from lqe.kernels import attention_ref as ref
 from lqe.kernels.attention_backends import TorchAttentionBackend
 from lqe.kernels.hadamard import rotation_matrix, signed_hadamard
-from lqe.layers.attention import Attention
+from lqe.layers.attention import Attention, key_rotation
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "gpu"))
 from test_triton_attention import make_case  # noqa: E402
@@ -42,11 +42,18 @@ def test_signed_hadamard(n):
     torch.testing.assert_close(rotation_matrix("hadamard", n, seed=0), m / n ** 0.5)
 
 
-def test_no_hadamard_order_leaves_the_layer_unrotated():
-    layer = Attention(4, 6, 2, 0.4, 0)
-    assert signed_hadamard(6) is None
-    assert layer.set_key_rotation(torch.float32) is False and layer.rot_q is None and layer.rot_k is None
-    assert Attention(4, 64, 2, 0.1, 0).set_key_rotation(torch.bfloat16) is True
+def test_key_rotation_matrices():
+    assert signed_hadamard(6) is None and key_rotation(6, torch.float32, "cpu") is None
+    rot_q, rot_k = key_rotation(64, torch.bfloat16, "cpu")
+    assert (rot_q.dtype, rot_k.dtype) == (torch.bfloat16, torch.float32)
+    torch.testing.assert_close(rot_q.float() @ rot_k.T, torch.eye(64), atol=0, rtol=0)  # (M)(M / D)^T = I exactly
+    layer = Attention(4, 32, 2, 0.2, 0)
+    with pytest.raises(ValueError, match="head_dim=32"):
+        layer.set_key_rotation((rot_q, rot_k))
+    layer.set_key_rotation(key_rotation(32, torch.float32, "cpu"))
+    assert layer.rot_q is not None and "rot_q" not in dict(layer.named_buffers())  # not a weight
+    layer.set_key_rotation(None)
+    assert layer.rot_q is None and layer.rot_k is None
 
 
 def test_option():
@@ -58,12 +65,15 @@ def test_option():
 def test_engine_rotates_fp8_caches_only(tiny_llama_dir):
     kw = dict(kv_cache_memory_bytes=4 << 20, max_model_len=256)
     for kv, rot, on in (("fp8", True, True), ("fp8_e5m2", True, True), ("fp8", False, False), ("auto", True, False)):
-        layers = _attn(LLM(tiny_llama_dir, kv_cache_dtype=kv, kv_cache_key_rotation=rot, **kw))
+        llm = LLM(tiny_llama_dir, kv_cache_dtype=kv, kv_cache_key_rotation=rot, **kw)
+        layers = _attn(llm)
         assert all((m.rot_q is not None) == on and (m.rot_k is not None) == on for m in layers), (kv, rot)
-        if on:
-            m = layers[0]
-            assert m.rot_q.dtype == torch.float32 and m.rot_k.dtype == torch.float32  # the tiny model is fp32
-            assert torch.equal(m.rot_q @ m.rot_k.T.double().float(), torch.eye(m.head_dim))  # (M)(M / D)^T = I
+        if on:  # one pair shared by every layer, counted with the cache's fixed overhead, not the weights
+            assert all(m.rot_q is layers[0].rot_q and m.rot_k is layers[0].rot_k for m in layers)
+            assert layers[0].rot_q.dtype == torch.float32  # the tiny model's dtype
+            r = llm.llm_engine.runner
+            d = layers[0].head_dim
+            assert r.kv_scale_bytes() == 2 * len(layers) * 4 + d * d * 8
 
 
 def test_rotation_keeps_what_attention_computes(tiny_llama_dir):
@@ -72,7 +82,9 @@ def test_rotation_keeps_what_attention_computes(tiny_llama_dir):
     kw = dict(kv_cache_memory_bytes=4 << 20, max_model_len=256)
     base_lp, base_tokens = _run(LLM(tiny_llama_dir, **kw))
     llm = LLM(tiny_llama_dir, **kw)
-    assert all(m.set_key_rotation(torch.float32) for m in _attn(llm))
+    rotation = key_rotation(_attn(llm)[0].head_dim, torch.float32, "cpu")
+    for m in _attn(llm):
+        m.set_key_rotation(rotation)
     lp, tokens = _run(llm)
     torch.testing.assert_close(lp, base_lp, atol=2e-5, rtol=0)
     assert tokens == base_tokens
@@ -94,7 +106,7 @@ def test_rotation_cuts_fp8_error_of_outlier_keys(kv_dtype):
         layer = Attention(heads, d, kvh, d ** -0.5, 0)
         layer.backend = TorchAttentionBackend()
         if rotate:
-            assert layer.set_key_rotation(torch.float32)
+            layer.set_key_rotation(key_rotation(d, torch.float32, "cpu"))
         c = torch.zeros_like(cache, dtype=dtype)
         layer.calculate_kv_scales = ref.is_fp8(dtype)
         t = q.shape[0]
@@ -111,7 +123,7 @@ def test_checkpoint_scale_bounds_rotated_keys():
     """|k M / D|max <= |k|max: a k_scale calibrated on unrotated keys (llm-compressor, vLLM) keeps every rotated
     key inside fp8's range, even for adversarial keys aligned with a row of M."""
     layer = Attention(2, 64, 1, 0.125, 0)
-    layer.set_key_rotation(torch.float32)
+    layer.set_key_rotation(key_rotation(64, torch.float32, "cpu"))
     g = torch.Generator().manual_seed(0)
     keys = torch.cat([torch.randn(256, 64, generator=g) * torch.rand(256, 1, generator=g) * 30,
                       layer.rot_q.T.clone()])  # rows of M^T: all mass lands on one output channel

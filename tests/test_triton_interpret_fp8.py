@@ -45,13 +45,13 @@ SCRIPT = """
 
     # key rotation (the layer hands the kernels bf16 rotated queries and float32 rotated keys): triton == torch,
     # the same stored bytes
-    from lqe.layers.attention import Attention
+    from lqe.layers.attention import Attention, key_rotation
     q, k, v, cache, meta = A.make_case([(1, 50), (7, 12), (1, 3)], 4, 2, 32, torch.bfloat16, "cpu")
     outs = []
     for be in (backend, TorchAttentionBackend()):
         layer = Attention(4, 32, 2, 0.2, 0)
         layer.backend = be
-        assert layer.set_key_rotation(torch.bfloat16)
+        layer.set_key_rotation(key_rotation(32, torch.bfloat16, "cpu"))
         layer.k_scale.fill_(0.02), layer.v_scale.fill_(0.05)
         c = ref.quantize_kv(cache.float(), ks, E4M3)
         t = q.shape[0]

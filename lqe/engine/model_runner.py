@@ -26,7 +26,7 @@ from lqe.forward_context import ForwardContext, set_forward_context
 from lqe.kernels.attention_backends import select_backend
 from lqe.kernels.attention_plan import choose_num_splits
 from lqe.layers.act_quant_fusion import link_act_quant
-from lqe.layers.attention import Attention, resolve_kv_cache_dtype
+from lqe.layers.attention import Attention, key_rotation, resolve_kv_cache_dtype
 from lqe.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from lqe.loaders.hf_config import ModelConfig
 from lqe.loaders.weights import iterate_weights, load_weights
@@ -106,8 +106,13 @@ class ModelRunner:
         return 2 * c.num_hidden_layers * self.block_size * self.num_kv_heads * c.head_dim * self.kv_dtype.itemsize
 
     def kv_scale_bytes(self) -> int:
-        """The fp8 cache's fixed overhead: one float32 k and v scale per layer (0 for a 16-bit cache)."""
-        return 2 * self.model_cfg.num_hidden_layers * 4 if self.kv_dtype.itemsize == 1 else 0
+        """The fp8 cache's fixed overhead: one float32 k and v scale per layer, and the key rotation's two
+        ``[head_dim, head_dim]`` matrices (query dtype and float32) shared by all layers (0 for a 16-bit cache)."""
+        if self.kv_dtype.itemsize != 1:
+            return 0
+        d = self.model_cfg.head_dim
+        rotation = d * d * (self.dtype.itemsize + 4) if self.config.kv_cache_key_rotation else 0
+        return 2 * self.model_cfg.num_hidden_layers * 4 + rotation
 
     def allocate_kv_cache(self, max_model_len: int) -> None:
         per_block = self.kv_bytes_per_block()
@@ -148,12 +153,13 @@ class ModelRunner:
             return
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.kv_calibrate = [m for m in layers if m.kv_scales_loaded != {"k_scale", "v_scale"}]
-        rotated = self.config.kv_cache_key_rotation and all([m.set_key_rotation(self.dtype) for m in layers])
-        if self.config.kv_cache_key_rotation and not rotated:
-            for m in layers:
-                m.rot_q = m.rot_k = None
+        rotation = key_rotation(self.model_cfg.head_dim, self.dtype, self.device) if self.config.kv_cache_key_rotation else None
+        if self.config.kv_cache_key_rotation and rotation is None:
             logger.warning("KV cache: no Hadamard matrix of order head_dim=%d is known; keys are stored unrotated",
                            self.model_cfg.head_dim)
+        for m in layers:
+            m.set_key_rotation(rotation)
+        rotated = rotation is not None
         logger.info("KV cache %s%s: scales from the checkpoint for %d layers, from the first prefill for %d",
                     str(self.kv_dtype).removeprefix("torch."), ", keys rotated" if rotated else "",
                     len(layers) - len(self.kv_calibrate), len(self.kv_calibrate))

@@ -52,21 +52,17 @@ class Attention(nn.Module):
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.kv_scales_loaded: set[str] = set()  # "k_scale" / "v_scale" the checkpoint gave this layer
         self.calculate_kv_scales = False  # set by the model runner for the first prefill of an fp8 cache
-        # key rotation of an fp8 cache (see the module doc): q' = q @ rot_q, k' = k.float() @ rot_k; None = off
-        self.register_buffer("rot_q", None, persistent=False)
-        self.register_buffer("rot_k", None, persistent=False)
+        # key rotation of an fp8 cache (see the module doc): q' = q @ rot_q, k' = k.float() @ rot_k; None = off. Plain
+        # attributes, not buffers: one pair shared by every layer, built on the cache's device (key_rotation)
+        self.rot_q: torch.Tensor | None = None
+        self.rot_k: torch.Tensor | None = None
 
-    def set_key_rotation(self, query_dtype: torch.dtype, seed: int = 0) -> bool:
-        """Rotate queries (of ``query_dtype``, the model's) and keys by a randomized Hadamard matrix of order
-        ``head_dim`` from now on; call it before the cache holds any key (it would mix rotated and unrotated ones).
-        False, and nothing changes, when no Hadamard matrix of that order is known."""
-        h = signed_hadamard(self.head_dim, seed)
-        if h is None:
-            return False
-        device = self.k_scale.device
-        self.rot_q = h.to(device=device, dtype=query_dtype)
-        self.rot_k = (h / self.head_dim).to(device=device, dtype=torch.float32)
-        return True
+    def set_key_rotation(self, rotation: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Rotate queries and keys with ``rotation`` = :func:`key_rotation`'s ``(rot_q, rot_k)`` from now on (None:
+        stop); call it before the cache holds any key of this layer (it would mix rotated and unrotated ones)."""
+        if rotation is not None and rotation[0].shape != (self.head_dim, self.head_dim):
+            raise ValueError(f"key rotation of shape {tuple(rotation[0].shape)} for head_dim={self.head_dim}")
+        self.rot_q, self.rot_k = rotation if rotation is not None else (None, None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
@@ -104,6 +100,17 @@ class Attention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+
+
+def key_rotation(head_dim: int, query_dtype: torch.dtype, device: torch.device | str,
+                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(rot_q, rot_k)`` of the fp8 cache's key rotation: a randomized Hadamard matrix ``M`` of order ``head_dim``
+    in the query dtype (entries +-1, exact) and ``M / head_dim`` in float32; None when no Hadamard matrix of that
+    order is known."""
+    h = signed_hadamard(head_dim, seed)
+    if h is None:
+        return None
+    return h.to(device=device, dtype=query_dtype), (h / head_dim).to(device=device, dtype=torch.float32)
 
 
 # checkpoint names of KV-cache scales -> the Attention buffers they fill (relative to the layer's self_attn)
