@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ from lqe.kernels import attention_ref as ref
 from lqe.layers.attention import Attention, kv_scale_targets, resolve_kv_cache_dtype
 
 from helpers import build_tiny_model
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
@@ -49,6 +52,14 @@ def _write_kv_scheme(model_dir: str, scales: dict[int, tuple[float, float]], nam
         sd[f"model.layers.{i}.self_attn.{names[0]}"] = torch.tensor([k], dtype=torch.float32)
         sd[f"model.layers.{i}.self_attn.{names[1]}"] = torch.tensor([v], dtype=torch.float32)
     save_file(sd, st, metadata={"format": "pt"})
+
+
+@pytest.fixture
+def text(tmp_path):
+    """A small text file for the accuracy benchmarks' windows."""
+    path = tmp_path / "t.txt"
+    path.write_text(" ".join(f"word{i % 37} and more text {i}" for i in range(400)))
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +112,6 @@ def test_quantize_saturates_and_round_trips():
 def test_reference_reads_fp8_cache_in_place(kv_dtype):
     """Store quantizes; attention over the fp8 cache (decode rows batched, prefill rows over a cached prefix)
     equals attention over a float cache holding the dequantized values."""
-    import sys
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "gpu"))
     from test_triton_attention import make_case
 
@@ -228,28 +238,20 @@ def test_prefix_caching_preemption_and_padded_decode_on_fp8(kv_scheme_dir):
     assert eng.scheduler.num_preemptions > 0 and eng.block_manager.hits > 0
 
 
-def test_accuracy_benchmark_kv_cache_flag(tiny_llama_dir, tmp_path):
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+def test_accuracy_benchmark_kv_cache_flag(tiny_llama_dir, text):
     import accuracy
 
-    text = tmp_path / "t.txt"
-    text.write_text(" ".join(f"word{i % 37} and more text {i}" for i in range(400)))
     res = {kv: accuracy.main(["--model", tiny_llama_dir, "--dataset", str(text), "--seq-len", "48", "--max-windows", "2",
                               "--kv-cache-dtype", kv]) for kv in ("auto", "fp8_e5m2")}
     assert (res["auto"]["kv_cache_torch_dtype"], res["fp8_e5m2"]["kv_cache_torch_dtype"]) == ("float32", "float8_e5m2")
     assert res["auto"]["tokens"] == res["fp8_e5m2"]["tokens"] and res["auto"]["ppl"] != res["fp8_e5m2"]["ppl"]
 
 
-def test_accuracy_benchmark_key_rotation_and_calibrated_scales(tiny_llama_dir, tmp_path):
+def test_accuracy_benchmark_key_rotation_and_calibrated_scales(tiny_llama_dir, text):
     """``--no-kv-cache-key-rotation`` and ``--kv-scales calibrated`` (a calibrated checkpoint's max / 448 of the
     unrotated keys and values, measured on a 16-bit twin) reach the engine and change the perplexity."""
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
     import accuracy
 
-    text = tmp_path / "t.txt"
-    text.write_text(" ".join(f"word{i % 37} and more text {i}" for i in range(400)))
     base = ["--model", tiny_llama_dir, "--dataset", str(text), "--seq-len", "48", "--max-windows", "2",
             "--kv-cache-dtype", "fp8"]
     rot, plain = accuracy.main(base), accuracy.main(base + ["--no-kv-cache-key-rotation"])
@@ -262,8 +264,6 @@ def test_accuracy_benchmark_key_rotation_and_calibrated_scales(tiny_llama_dir, t
 
 
 def test_calibrated_scales_are_max_over_448(tiny_llama_dir):
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
     import accuracy
 
     llm = LLM(tiny_llama_dir, kv_cache_dtype="fp8", kv_cache_memory_bytes=4 << 20, max_model_len=256)
@@ -279,13 +279,9 @@ def test_calibrated_scales_are_max_over_448(tiny_llama_dir):
     assert llm.llm_engine.runner.kv_calibrate == []
 
 
-def test_kv_cache_accuracy_benchmark_rows(tiny_llama_dir, tmp_path):
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+def test_kv_cache_accuracy_benchmark_rows(tiny_llama_dir, text, tmp_path):
     import kv_cache_accuracy
 
-    text = tmp_path / "t.txt"
-    text.write_text(" ".join(f"word{i % 37} and more text {i}" for i in range(400)))
     out = tmp_path / "kv.json"
     res = kv_cache_accuracy.main(["--model", tiny_llama_dir, "--dtype", "float32", "--dataset", str(text),
                                   "--seq-len", "48", "--max-windows", "1", "--out", str(out)])

@@ -148,7 +148,8 @@ class ModelRunner:
                                        StepLayout(tokens, seqs, needed, tokens).size + 2 * seqs)
 
     def _setup_kv_scales(self) -> None:
-        """fp8 cache: layers without checkpoint scales get theirs from the first prefill (see :meth:`forward`)."""
+        """fp8 cache: layers without checkpoint scales get theirs from the first prefill (see :meth:`forward`);
+        every layer gets the shared key rotation unless ``kv_cache_key_rotation`` is off."""
         if self.kv_dtype.itemsize != 1:
             return
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]

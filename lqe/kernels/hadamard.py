@@ -65,12 +65,6 @@ def _hadamard(n: int) -> torch.Tensor | None:
     return None
 
 
-def hadamard_or_none(n: int) -> torch.Tensor | None:
-    """The ``+-1`` Hadamard matrix of order ``n`` (float64, a fresh copy), or None when no construction here reaches it."""
-    h = _hadamard(n)
-    return None if h is None else h.clone()
-
-
 def hadamard(n: int) -> torch.Tensor:
     """An ``n x n`` Hadamard matrix (entries +-1, ``H H^T = n I``), float64, built from Sylvester doubling, Paley
     I/II and Kronecker products; ValueError when none of those reaches ``n``."""

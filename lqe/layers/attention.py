@@ -16,7 +16,7 @@ head's query and key are multiplied by one randomized Hadamard matrix ``M`` (ent
 ``q' . k' = q . k`` and attention computes the same function. Keys carry a few outlier channels (RoPE's slow
 dimensions, attention sinks) whose products with the query dominate a score, and fp8's 3-bit mantissa error on
 them goes straight into the logits; the rotation spreads every channel over all ``D``, so the error of a score
-averages over ``D`` products instead. SmolLM2 WikiText-2: e4m3 +1.1 % ppl without, +0.5 % with (README).
+averages over ``D`` products instead. SmolLM2 WikiText-2: e4m3 +1.08 % ppl without, +0.60 % with (README).
 ``|k'|max <= |k|max``, so a checkpoint's ``k_scale`` (calibrated on unrotated keys) never saturates; scales from the
 first prefill are computed on ``k'``. Values are not rotated: their fp8 error is small and rotation made it
 larger (measured).
