@@ -56,7 +56,7 @@ def run(model_dir: Path, variant: str, args) -> dict:
     row = {"variant": variant, "kv_cache_dtype": kv, "kv_cache_key_rotation": rotation and kv != "auto",
            "kv_torch_dtype": str(r.kv_cache.dtype).removeprefix("torch."),
            "attention_backend": r.attention_backend, "load_s": round(time.perf_counter() - t0, 1),
-           "num_blocks": r.num_blocks, "block_size": r.block_size, "kv_bytes_per_token": r.kv_bytes_per_block() // r.block_size,
+           "num_blocks": r.num_blocks, "block_size": r.block_size, "kv_bytes_per_token": r.kv_spec.bytes_per_block() // r.block_size,
            "kv_cache_gib": r.kv_cache.numel() * r.kv_cache.element_size() / 2**30,
            "concurrent_seqs": r.num_blocks // -(-max_len // r.block_size), "cuda_graphs": r.graph_runner is not None}
     vocab = eng.model_config.vocab_size

@@ -141,7 +141,7 @@ def test_capacity_counts_bytes(tiny_llama_dir):
         llm = LLM(tiny_llama_dir, dtype="bfloat16", kv_cache_dtype=kv, kv_cache_memory_bytes=budget, max_model_len=256)
         r = llm.llm_engine.runner
         blocks[kv] = r.num_blocks
-        assert r.kv_cache.numel() * r.kv_cache.element_size() + r.kv_scale_bytes() <= budget
+        assert r.kv_cache.numel() * r.kv_cache.element_size() + r.kv_spec.fixed_bytes() <= budget
         assert r.kv_cache.dtype == (torch.bfloat16 if kv == "auto" else E4M3)
     assert blocks["fp8"] >= 1.9 * blocks["auto"], blocks
     assert llm.llm_engine.block_manager.num_blocks == blocks["fp8"]

@@ -73,7 +73,7 @@ def test_engine_rotates_fp8_caches_only(tiny_llama_dir):
             assert layers[0].rot_q.dtype == torch.float32  # the tiny model's dtype
             r = llm.llm_engine.runner
             d = layers[0].head_dim
-            assert r.kv_scale_bytes() == 2 * len(layers) * 4 + d * d * 8
+            assert r.kv_spec.fixed_bytes() == 2 * len(layers) * 4 + d * d * 8
 
 
 def test_rotation_keeps_what_attention_computes(tiny_llama_dir):

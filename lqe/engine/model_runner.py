@@ -6,7 +6,6 @@ for requests asking for prompt logprobs, every prompt position).
 """
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 
@@ -14,10 +13,10 @@ import torch
 from torch import nn
 
 from lqe.config import EngineConfig
-from lqe.distributed.comm import tp_min_int
 from lqe.distributed.parallel_state import get_tp_rank, get_tp_size
 from lqe.engine.cuda_graph import CudaGraphRunner, batch_buckets, bucket_for
 from lqe.engine.graph_backends import CudaGraphBackend
+from lqe.engine.kv_cache import KVCacheSpec, setup_fp8_layers
 from lqe.engine.piecewise import PiecewiseRunner
 from lqe.engine.token_buckets import token_buckets
 from lqe.engine.scheduler import SchedulerOutput
@@ -26,7 +25,7 @@ from lqe.forward_context import ForwardContext, set_forward_context
 from lqe.kernels.attention_backends import select_backend
 from lqe.kernels.attention_plan import choose_num_splits
 from lqe.layers.act_quant_fusion import link_act_quant
-from lqe.layers.attention import Attention, key_rotation, resolve_kv_cache_dtype
+from lqe.layers.attention import Attention, resolve_kv_cache_dtype
 from lqe.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from lqe.loaders.hf_config import ModelConfig
 from lqe.loaders.weights import iterate_weights, load_weights
@@ -34,9 +33,6 @@ from lqe.models import get_model_class
 from lqe.quant_layers.base import QuantConfig
 from lqe.quant_layers.checks import check_model_weights
 
-logger = logging.getLogger("lqe")
-
-DEFAULT_CPU_KV_BYTES = 1 << 30
 _LOGITS_CHUNK = 512  # rows of prompt logprobs turned into [rows, vocab] logits at once
 
 
@@ -70,11 +66,13 @@ class ModelRunner:
             if isinstance(module, Attention):
                 module.backend = backend
         self.attention_backend = backend.name
-        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, model_cfg.raw, dtype)  # fp8 or the model's
-        self.kv_calibrate: list[Attention] = []  # fp8 layers whose scales the first prefill computes
         # this rank's KV heads (all of them with one rank)
         self.num_kv_heads = next((m.num_kv_heads for m in self.model.modules() if isinstance(m, Attention)),
                                  model_cfg.num_key_value_heads)
+        self.kv_spec = KVCacheSpec(
+            model_cfg.num_hidden_layers, self.block_size, self.num_kv_heads, model_cfg.head_dim,
+            resolve_kv_cache_dtype(config.kv_cache_dtype, model_cfg.raw, dtype), dtype, config.kv_cache_key_rotation)
+        self.kv_calibrate: list[Attention] = []  # fp8 layers whose scales the first prefill computes
         self.sampler = Sampler()
         self.kv_cache: torch.Tensor | None = None
         self.kv_caches: list[torch.Tensor] = []  # per-layer views of kv_cache
@@ -100,70 +98,21 @@ class ModelRunner:
                 total += t.numel() * t.element_size()
         return total
 
-    def kv_bytes_per_block(self) -> int:
-        """Bytes of one block over all layers, K and V, at the cache's element size (1 for fp8)."""
-        c = self.model_cfg
-        return 2 * c.num_hidden_layers * self.block_size * self.num_kv_heads * c.head_dim * self.kv_dtype.itemsize
-
-    def kv_scale_bytes(self) -> int:
-        """The fp8 cache's fixed overhead: one float32 k and v scale per layer, and the key rotation's two
-        ``[head_dim, head_dim]`` matrices (query dtype and float32) shared by all layers (0 for a 16-bit cache)."""
-        if self.kv_dtype.itemsize != 1:
-            return 0
-        d = self.model_cfg.head_dim
-        rotation = d * d * (self.dtype.itemsize + 4) if self.config.kv_cache_key_rotation else 0
-        return 2 * self.model_cfg.num_hidden_layers * 4 + rotation
-
     def allocate_kv_cache(self, max_model_len: int) -> None:
-        per_block = self.kv_bytes_per_block()
-        if self.config.num_kv_blocks is not None:
-            num_blocks = self.config.num_kv_blocks
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = self.config.kv_cache_memory_bytes or int(
-                total * self.config.gpu_memory_utilization - (total - free) - (1 << 30))
-            num_blocks = max(0, (budget - self.kv_scale_bytes()) // per_block)
-        else:
-            budget = self.config.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
-            num_blocks = max(0, (budget - self.kv_scale_bytes()) // per_block)
-        num_blocks = tp_min_int(num_blocks)  # every rank holds the same blocks (identity with one rank)
-        needed = -(-max_model_len // self.block_size)
-        if num_blocks < needed:
-            raise MemoryError(
-                f"KV cache too small: {num_blocks} blocks of {self.block_size} tokens fit the budget, but one request of "
-                f"max_model_len={max_model_len} tokens needs {needed} blocks ({needed * per_block / 2**20:.1f} MiB). "
-                "Raise kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len.")
-        c = self.model_cfg
-        self.kv_cache = torch.zeros(c.num_hidden_layers, 2, num_blocks, self.block_size, self.num_kv_heads,
-                                    c.head_dim, dtype=self.kv_dtype, device=self.device)
+        """The paged KV cache (:mod:`lqe.engine.kv_cache`) and the step buffers sized for it."""
+        spec = self.kv_spec
+        num_blocks = spec.num_blocks(self.config, self.device, max_model_len)
+        self.kv_cache = spec.allocate(num_blocks, self.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
-        self._setup_kv_scales()
+        self.kv_calibrate = setup_fp8_layers(self.model, spec, self.device)
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
-        self.table_width = needed
+        self.table_width = needed = spec.blocks_per_request(max_model_len)
         self.buckets = batch_buckets(self.config.max_num_seqs, self.config.max_cudagraph_batch)
         tokens = max(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         seqs = self.config.max_num_seqs
         self.inputs = StepInputBuilder(self.device, self.block_size,  # + rows/sources of pending tokens (async)
                                        StepLayout(tokens, seqs, needed, tokens).size + 2 * seqs)
-
-    def _setup_kv_scales(self) -> None:
-        """fp8 cache: layers without checkpoint scales get theirs from the first prefill (see :meth:`forward`);
-        every layer gets the shared key rotation unless ``kv_cache_key_rotation`` is off."""
-        if self.kv_dtype.itemsize != 1:
-            return
-        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.kv_calibrate = [m for m in layers if m.kv_scales_loaded != {"k_scale", "v_scale"}]
-        rotation = key_rotation(self.model_cfg.head_dim, self.dtype, self.device) if self.config.kv_cache_key_rotation else None
-        if self.config.kv_cache_key_rotation and rotation is None:
-            logger.warning("KV cache: no Hadamard matrix of order head_dim=%d is known; keys are stored unrotated",
-                           self.model_cfg.head_dim)
-        for m in layers:
-            m.set_key_rotation(rotation)
-        rotated = rotation is not None
-        logger.info("KV cache %s%s: scales from the checkpoint for %d layers, from the first prefill for %d",
-                    str(self.kv_dtype).removeprefix("torch."), ", keys rotated" if rotated else "",
-                    len(layers) - len(self.kv_calibrate), len(self.kv_calibrate))
 
     def decode_splits(self, num_seqs: int) -> int:
         """Split count of the decode attention for a step of ``num_seqs`` sequences: a function of the batch's
