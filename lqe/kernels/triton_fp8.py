@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from lqe.kernels.device_info import sm_count
-from lqe.kernels.triton_gemm_common import SplitKWorkspace
+from lqe.kernels.triton_gemm_common import SplitKWorkspace, gemm_io
 
 try:
     import triton
@@ -171,15 +171,9 @@ def fp8_mm(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: to
     f8 = torch.float8_e4m3fn
     if xq.dtype != f8 or w.dtype != f8:
         raise ValueError(f"triton-fp8 needs float8_e4m3fn activations and weights, got {xq.dtype} and {w.dtype}")
-    if xq.dim() != 2 or w.dim() != 2 or xq.shape[1] != w.shape[1] or w.stride(1) != 1:
-        raise ValueError(f"triton-fp8: xq {tuple(xq.shape)} and w [N, K] {tuple(w.shape)} (K contiguous) do not match")
-    m, k = xq.shape
-    n = w.shape[0]
-    if out is None:
-        out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    xq, out, m, n, k = gemm_io("triton-fp8", xq, w, out, out_dtype)
     if m == 0:
         return out
-    xq = xq if xq.stride(1) == 1 else xq.contiguous()
     cfg = resolve(config, m, n, k, xq.device) if config is not None else pick_config(m, n, k, xq.device)
     kb = math.ceil(k / SCALE_BLOCK)
     if block_scale:
@@ -201,11 +195,7 @@ def fp8_mm(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: to
     grid_mn = math.ceil(m / cfg.block_m) * math.ceil(n / cfg.block_n)
     m_pad = math.ceil(m / cfg.block_m) * cfg.block_m
     split_k = max(1, min(cfg.split_k, math.ceil(k / cfg.block_k), WS_ROWS // m_pad))
-    ws = cnt = sw
-    if split_k > 1:
-        ws, cnt = _WS.acquire(xq.device, WS_ROWS * n, f"N={n}")
-        if grid_mn > cnt.numel():
-            split_k, ws, cnt = 1, sw, sw
+    split_k, ws, cnt = _WS.for_launch(xq.device, split_k, WS_ROWS * n, f"N={n}", grid_mn, sw)
     _fp8_mm_kernel[(grid_mn, split_k)](
         xq, w, out, sa, sw, bias if bias is not None else sw, ws, cnt, m, n, k, xq.stride(0), w.stride(0),
         out.stride(0), sa_stride, stride_sam, stride_swn, HAS_BIAS=bias is not None, BLOCK_SCALE=SCALE_BLOCK if block_scale else 0,

@@ -9,8 +9,11 @@ triton_gemv_w8a8.py), written once:
   pointers and their loads (K-masked unless ``EVEN_K``);
 * :func:`scale_rows_cols` / :func:`store_tile`: the per-token x per-channel scale of the epilogue, and the bias add
   plus masked store;
+* :func:`check_operands` / :func:`gemm_io` (host): the shape check of ``xq [M, K]`` x ``w [N, K]`` and the output
+  every wrapper starts with;
 * :func:`per_token_vec` (host): a per-token or one-element tensor as (contiguous tensor, stride 1 or 0);
-* :class:`SplitKWorkspace` (host): a kernel family's per-device split-K partials and per-tile arrival counters.
+* :class:`SplitKWorkspace` (host): a kernel family's per-device split-K partials and per-tile arrival counters, and
+  :meth:`SplitKWorkspace.for_launch`, what one launch passes for them.
 
 The ``@triton.jit`` helpers are inlined into the calling kernel by Triton: no call, no extra registers; constexpr
 arguments stay constexpr.
@@ -54,6 +57,34 @@ class SplitKWorkspace(dict):
             self.reserve(device, numel)
             ws = self[str(device)]
         return ws
+
+    def for_launch(self, device: torch.device, split_k: int, numel: int, what: str, tiles: int,
+                   unused: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """``(split_k, partials, counters)`` of one launch: the workspace when ``split_k > 1`` and its counters have
+        a slot per output tile; otherwise ``split_k`` 1 and ``unused`` (any tensor of the device) for both."""
+        if split_k > 1:
+            ws, cnt = self.acquire(device, numel, what)
+            if tiles <= cnt.numel():
+                return split_k, ws, cnt
+        return 1, unused, unused
+
+
+def check_operands(who: str, xq: torch.Tensor, w: torch.Tensor) -> None:
+    """``xq [M, K]`` and the weight ``w [N, K]`` with K contiguous, or a ValueError naming ``who`` and the shapes."""
+    if xq.dim() != 2 or w.dim() != 2 or xq.shape[1] != w.shape[1] or w.stride(1) != 1:
+        raise ValueError(f"{who}: xq {tuple(xq.shape)} and w [N, K] {tuple(w.shape)} (K contiguous) do not match")
+
+
+def gemm_io(who: str, xq: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None,
+            out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
+    """Check ``xq [M, K]`` against the weight ``w [N, K]`` (K contiguous); return ``xq`` with K contiguous, ``out``
+    (``[M, N]`` of ``out_dtype`` when not given), and ``M, N, K``. ``who`` names the kernel in the error."""
+    check_operands(who, xq, w)
+    m, k = xq.shape
+    n = w.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    return (xq if xq.stride(1) == 1 else xq.contiguous()), out, m, n, k
 
 
 def per_token_vec(t: torch.Tensor | None, m: int, dtype: torch.dtype,

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from lqe.kernels.device_info import sm_count
-from lqe.kernels.triton_gemm_common import SplitKWorkspace, per_token_vec
+from lqe.kernels.triton_gemm_common import SplitKWorkspace, gemm_io, per_token_vec
 
 try:
     import triton
@@ -226,18 +226,11 @@ def gemv_w8a8(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale:
     if not (fp8 or w.dtype == torch.int8) or xq.dtype != w.dtype:
         raise ValueError(f"triton-gemv needs int8 x int8 or float8_e4m3fn x float8_e4m3fn, got activations {xq.dtype} "
                          f"and weight {w.dtype}")
-    if xq.dim() != 2 or w.dim() != 2 or xq.shape[1] != w.shape[1] or w.stride(1) != 1:
-        raise ValueError(f"triton-gemv: xq {tuple(xq.shape)} and w [N, K] {tuple(w.shape)} (K contiguous) do not match")
     if fp8 and azp is not None:
         raise ValueError("triton-gemv: fp8 activations have no zero point")
-    m, k = xq.shape
-    n = w.shape[0]
-    if out is None:
-        out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    xq, out, m, n, k = gemm_io("triton-gemv", xq, w, out, out_dtype)
     if m == 0:
         return out
-    if xq.stride(1) != 1:
-        xq = xq.contiguous()
     cfg = resolve(config, m, n, k, xq.device) if config is not None else pick_config(m, n, k, xq.device)
     sa, sa_stride = per_token_vec(a_scale, m, torch.float32, "triton-gemv: ")
     zp, zp_stride = per_token_vec(azp, m, torch.int32, "triton-gemv: ")
@@ -251,11 +244,7 @@ def gemv_w8a8(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale:
         raise ValueError(f"triton-gemv: BLOCK_K={cfg.block_k} > 1024 breaks the exact fp32 block sums of int8")
     split_k = max(1, min(cfg.split_k, math.ceil(k / cfg.block_k), WS_ROWS // bm))
     tiles = math.ceil(n / cfg.block_n)
-    ws = cnt = w_scale  # unused without split-K
-    if split_k > 1:
-        ws, cnt = _WS.acquire(xq.device, WS_ROWS * n, f"N={n}")
-        if tiles > cnt.numel():
-            split_k, ws, cnt = 1, w_scale, w_scale
+    split_k, ws, cnt = _WS.for_launch(xq.device, split_k, WS_ROWS * n, f"N={n}", tiles, w_scale)
     _gemv_kernel[(tiles, split_k)](
         xq, w, out, sa, w_scale, zp if zp is not None else sa, colsum if zp is not None else w_scale,
         bias if bias is not None else w_scale, ws, cnt, m, n, k, xq.stride(0), w.stride(0), out.stride(0),

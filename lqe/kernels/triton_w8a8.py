@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from lqe.kernels.device_info import sm_count
-from lqe.kernels.triton_gemm_common import SplitKWorkspace, per_token_vec
+from lqe.kernels.triton_gemm_common import SplitKWorkspace, check_operands, gemm_io, per_token_vec
 
 try:
     import triton
@@ -209,10 +209,6 @@ if triton is not None:
 def _check(xq: torch.Tensor, w: torch.Tensor) -> None:
     if xq.dtype != torch.int8 or w.dtype != torch.int8:
         raise ValueError(f"triton-w8a8 needs int8 activations and weights, got {xq.dtype} and {w.dtype}")
-    if xq.dim() != 2 or w.dim() != 2 or xq.shape[1] != w.shape[1]:
-        raise ValueError(f"triton-w8a8: xq {tuple(xq.shape)} and w [N, K] {tuple(w.shape)} do not match")
-    if w.stride(1) != 1:
-        raise ValueError("triton-w8a8: the weight must be [N, K] with K contiguous")
 
 
 def w8a8_mm(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -221,14 +217,9 @@ def w8a8_mm(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: t
             config: W8A8Config | None = None) -> torch.Tensor:
     """int8 ``xq [M, K]`` x int8 ``w [N, K]`` with the fused epilogue (see the module docstring)."""
     _check(xq, w)
-    m, k = xq.shape
-    n = w.shape[0]
-    if out is None:
-        out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    xq, out, m, n, k = gemm_io("triton-w8a8", xq, w, out, out_dtype)
     if m == 0:
         return out
-    if xq.stride(1) != 1:
-        xq = xq.contiguous()
     cfg = config or pick_config(m, n, k, xq.device)
     if cfg.split_k == 0:
         cfg = pick_config(m, n, k, xq.device, [(None, cfg)])
@@ -239,16 +230,8 @@ def w8a8_mm(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: t
     w_scale = w_scale.reshape(-1)
     grid_mn = math.ceil(m / cfg.block_m) * math.ceil(n / cfg.block_n)
     split_k = min(cfg.split_k, math.ceil(k / cfg.block_k))
-    if split_k > 1:
-        rows = math.ceil(m / cfg.block_m) * cfg.block_m
-        ws, cnt = _WS.acquire(xq.device, rows * n, f"{rows}x{n}")
-        if grid_mn > cnt.numel():
-            split_k = 1
-    else:
-        ws = cnt = w_scale  # unused
-    if split_k <= 1:
-        split_k = 1
-        ws = cnt = w_scale
+    rows = math.ceil(m / cfg.block_m) * cfg.block_m
+    split_k, ws, cnt = _WS.for_launch(xq.device, split_k, rows * n, f"{rows}x{n}", grid_mn, w_scale)
     _w8a8_mm_kernel[(grid_mn, split_k)](
         xq, w, out, sa, w_scale, zp if zp is not None else sa, colsum if zp is not None else w_scale,
         bias if bias is not None else w_scale, ws, cnt, m, n, k, xq.stride(0), w.stride(0), out.stride(0),
@@ -292,5 +275,6 @@ def int_mm_w8a8(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scal
                 out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
     """``torch._int_mm(xq, w.t())`` (cuBLASLt int8, column-major B) then :func:`w8a8_epilogue`."""
     _check(xq, w)
+    check_operands("torch._int_mm", xq, w)
     acc = torch._int_mm(xq.contiguous(), w.t())
     return w8a8_epilogue(acc, a_scale, w_scale, azp, colsum, bias, out_dtype, out)
