@@ -35,6 +35,34 @@ _LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# --------------------------------------------------------------------------------------------- shared
+@triton.jit
+def _kv_tile(KV, table, offs_n, n_mask, offs_d, d_mask, kvh, q, stride_kv, stride_blk, stride_slot, stride_ch,
+             PAGE: tl.constexpr):
+    """K and V ``[BLOCK_N, BLOCK_D]`` of KV head ``kvh`` at a sequence's positions ``offs_n`` (paged through its block
+    table row ``table``; masked rows read 0), widened to the query's dtype (fp32 with ``DOT_F32``; exact from fp8)."""
+    blk = tl.load(table + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+    rows = blk * stride_blk + (offs_n % PAGE) * stride_slot + kvh * stride_ch
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(KV + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(KV + stride_kv + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    return k.to(q.dtype), v.to(q.dtype)
+
+
+@triton.jit
+def _softmax_step(q, k, v, keep, qk_scale, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """One K/V tile of the online softmax in base 2: the scores where ``keep`` (else -inf), then the running max
+    ``m_i``, sum ``l_i`` and output ``acc`` rescaled and updated."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
 # --------------------------------------------------------------------------------------------- prefill
 @triton.jit
 def _prefill_kernel(Q, KV, Out, BlockTables, QueryStart, SeqLens, Tiles, KScale, VScale, scale_log2,
@@ -89,25 +117,10 @@ def _prefill_kernel(Q, KV, Out, BlockTables, QueryStart, SeqLens, Tiles, KScale,
     for start in range(0, kv_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
-        blk = tl.load(table + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-        rows = blk * stride_blk + (offs_n % PAGE) * stride_slot + kvh * stride_ch
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(KV + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(KV + stride_kv + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        else:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        k, v = _kv_tile(KV, table, offs_n, n_mask, offs_d, d_mask, kvh, q, stride_kv, stride_blk, stride_slot,
+                        stride_ch, PAGE)
+        keep = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        m_i, l_i, acc = _softmax_step(q, k, v, keep, qk_scale, m_i, l_i, acc, PRECISION)
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if QUANT:
         acc = acc * tl.load(VScale)
@@ -155,25 +168,9 @@ def _decode_kernel(Q, KV, Out, PartOut, PartLse, BlockTables, QueryStart, SeqLen
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
-        blk = tl.load(table + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-        rows = blk * stride_blk + (offs_n % PAGE) * stride_slot + kvh * stride_ch
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(KV + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(KV + stride_kv + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        else:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        k, v = _kv_tile(KV, table, offs_n, n_mask, offs_d, d_mask, kvh, q, stride_kv, stride_blk, stride_slot,
+                        stride_ch, PAGE)
+        m_i, l_i, acc = _softmax_step(q, k, v, n_mask[None, :], qk_scale, m_i, l_i, acc, PRECISION)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if QUANT:
         out = out * tl.load(VScale)
