@@ -309,12 +309,12 @@ def test_serve_flags():
 
 def test_serve_graph_async_and_rotation_flags_reach_the_engine_config():
     from lqe.config import EngineConfig
-    from lqe.entrypoints.openai_server import _ENGINE_ARGS
+    from lqe.entrypoints.engine_args import engine_kwargs
 
     p = add_serve_args(argparse.ArgumentParser())
     a = p.parse_args(["m", "--cudagraph-mode", "full_and_piecewise", "--max-piecewise-tokens", "256",
                       "--async-scheduling", "--no-kv-cache-key-rotation"])
-    cfg = EngineConfig.from_kwargs("m", **{k: getattr(a, k) for k in _ENGINE_ARGS if getattr(a, k, None) is not None})
+    cfg = EngineConfig.from_kwargs("m", **engine_kwargs(a))
     assert (cfg.cudagraph_mode, cfg.max_piecewise_tokens, cfg.async_scheduling, cfg.kv_cache_key_rotation) == (
         "FULL_AND_PIECEWISE", 256, True, False)
     d = p.parse_args(["m"])

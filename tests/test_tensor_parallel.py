@@ -293,7 +293,8 @@ def test_server_with_tp2_matches_tp1(tmp_path):
 
     import httpx
 
-    from lqe.entrypoints.openai_server import _ENGINE_ARGS, add_serve_args
+    from lqe.entrypoints.engine_args import ENGINE_ARGS
+    from lqe.entrypoints.openai_server import add_serve_args
     from test_server_reliability import serve
 
     model = build_tiny_model(str(tmp_path / "m"), "llama")
@@ -316,7 +317,7 @@ def test_server_with_tp2_matches_tp1(tmp_path):
                 workers = list(engine.engine.tp.procs)
                 assert all(p.is_alive() for p in workers)
     assert texts[2] == texts[1] and texts[1][0] == texts[1][1]
-    assert "tensor_parallel_size" in _ENGINE_ARGS  # build_engine hands the flag to EngineConfig
+    assert "tensor_parallel_size" in ENGINE_ARGS  # build_engine hands the flag to EngineConfig
     deadline = time.monotonic() + 10
     while any(p.is_alive() for p in workers) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -5,62 +5,18 @@ import argparse
 import logging
 import sys
 
+from lqe.entrypoints.engine_args import add_engine_args, engine_kwargs, positive_int
 from lqe.entrypoints.help_format import HelpFormatter
 from lqe.loaders.model_source import DEMO_MODEL
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
-
-def _quant_name(text: str) -> str:
-    from lqe.quant_layers.resolve import ALIASES
-
-    if text.strip().lower() not in ALIASES:
-        raise argparse.ArgumentTypeError(f"unknown quantization method {text!r}; choose one of {', '.join(sorted(ALIASES))}")
-    return text
-
-
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEMO_MODEL, help="local HF directory, hub id (org/name), or the demo model")
-    p.add_argument("--quantization", default=None, type=_quant_name,
-                   help="gptq | awq | compressed-tensors | w8a8 | fp8 | int8, or vLLM's gptq_marlin / awq_marlin / "
-                        "marlin (default: auto-detect from the checkpoint). fp8 / int8 on a float checkpoint "
-                        "quantize it at load time")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                   help="activation dtype; auto = fp32 on CPU, the checkpoint's fp16/bf16 on GPU")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda when available")
-    p.add_argument("--max-model-len", type=_positive_int, default=None,
-                   help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
-    p.add_argument("--max-num-seqs", type=_positive_int, default=64, help="most sequences decoded together")
-    p.add_argument("--kv-cache-memory-bytes", type=_positive_int, default=None,
-                   help="KV-cache budget in bytes (default: 1 GiB on CPU, --gpu-memory-utilization on GPU)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
-                   help="KV-cache storage; fp8 = fp8_e4m3, per-layer scales from the checkpoint or the first prefill "
-                        "(default auto: the model's dtype)")
-    p.add_argument("--kv-cache-key-rotation", action=argparse.BooleanOptionalAction, default=True,
-                   help="fp8 cache: rotate queries and keys per head by a Hadamard matrix before the keys are quantized "
-                        "(default on)")
-    p.add_argument("--enforce-eager", action="store_true", help="CUDA: run every step eagerly (no decode CUDA graphs)")
-    p.add_argument("--cudagraph-mode", default="FULL_DECODE_ONLY", type=str.upper,
-                   choices=["FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "NONE"],
-                   help="CUDA graphs: decode steps only (default), also mixed / prefill steps per token bucket, or none")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
-                   help="schedule and prepare the next step while the device runs this one (default off)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="shard the model over N worker processes / GPUs (default 1)")
-    p.add_argument("--max-cudagraph-batch", type=_positive_int, default=256,
-                   help="largest decode batch replayed from a CUDA graph (default 256, capped by --max-num-seqs)")
+    add_engine_args(p)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=_positive_int, default=128, help="most tokens generated per prompt")
+    p.add_argument("--max-tokens", type=positive_int, default=128, help="most tokens generated per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
@@ -70,12 +26,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 def _llm(args):
     from lqe import LLM
 
-    return LLM(args.model, quantization=args.quantization, dtype=args.dtype, device=args.device,
-               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-               kv_cache_memory_bytes=args.kv_cache_memory_bytes, enforce_eager=args.enforce_eager,
-               max_cudagraph_batch=args.max_cudagraph_batch, tensor_parallel_size=args.tensor_parallel_size,
-               kv_cache_dtype=args.kv_cache_dtype, kv_cache_key_rotation=args.kv_cache_key_rotation,
-               cudagraph_mode=args.cudagraph_mode, async_scheduling=args.async_scheduling)
+    return LLM(args.model, **engine_kwargs(args))
 
 
 def _params(args):

@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lqe.entrypoints.async_engine import AsyncEngine
+from lqe.entrypoints.engine_args import add_engine_args, engine_kwargs
 from lqe.entrypoints.help_format import HelpFormatter
 from lqe.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from lqe.entrypoints.serving import OpenAIServing
@@ -148,81 +149,20 @@ class _EngineCollector:
 
 
 # -- command line ---------------------------------------------------------------------------------------------
-def _kv_cache_dtype(value: str) -> str:
-    from lqe.config import KV_CACHE_DTYPES
-
-    if value not in KV_CACHE_DTYPES:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a KV-cache dtype; choose one of {', '.join(KV_CACHE_DTYPES)} "
-                                         "('auto' = the model's dtype, 'fp8' = 'fp8_e4m3')")
-    return value
-
-
-def _cudagraph_mode(value: str) -> str:
-    from lqe.config import CUDAGRAPH_MODES
-
-    if value.upper() not in CUDAGRAPH_MODES:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a CUDA-graph mode; choose one of {', '.join(CUDAGRAPH_MODES)}")
-    return value.upper()
-
-
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``lqe serve``'s flags: the model, the server's own, and the engine's (:mod:`lqe.entrypoints.engine_args`)."""
     parser.add_argument("model", nargs="?", default=None,
                         help="local model directory, 'smollm2-135m-instruct', or a hub id (or use --model)")
     parser.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
                         help="the same as the positional MODEL (vLLM's spelling; default: the positional one)")
-    parser.add_argument("--quantization", "-q", default=None, help="quantization method (default: from the checkpoint)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $LQE_API_KEY)")
     parser.add_argument("--served-model-name", default=None, help="model name clients must send (default: MODEL)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                        help="activation dtype; auto = fp32 on CPU, the checkpoint's fp16/bf16 on GPU")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda when available")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
-    parser.add_argument("--max-num-seqs", type=int, default=None, help="most sequences decoded together (default 64)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="most tokens in one step, prefill chunks included (default 2048)")
-    parser.add_argument("--num-kv-blocks", type=int, default=None,
-                        help="exact KV-cache block count, overriding the memory budgets (default: from the budget)")
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                        help="KV-cache budget in bytes (default: 1 GiB on CPU, --gpu-memory-utilization on GPU)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
-                        help="fraction of GPU memory lqe may use, weights + KV cache (default 0.85)")
-    parser.add_argument("--block-size", type=int, default=None, help="KV-cache block size in tokens (default 16)")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                        help="reuse the KV blocks of shared prompt prefixes (default: on)")
-    parser.add_argument("--kv-cache-dtype", type=_kv_cache_dtype, default=None,
-                        help="KV-cache storage: auto | fp8 | fp8_e4m3 | fp8_e5m2; fp8 halves the cache of a 16-bit "
-                             "model, with per-layer scales from the checkpoint or the first prefill (default auto: "
-                             "the model's dtype, fp8 when the checkpoint declares a kv_cache_scheme)")
-    parser.add_argument("--kv-cache-key-rotation", action=argparse.BooleanOptionalAction, default=None,
-                        help="fp8 cache: rotate each head's queries and keys by a Hadamard matrix before the keys are "
-                             "quantized, so q.k is unchanged and its fp8 error averages out (default: on)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
-    parser.add_argument("--revision", default=None, help="hub revision of the model (default: the latest)")
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
     parser.add_argument("--seed", type=int, default=None,
                         help="engine seed for requests without their own (default 0)")
-    parser.add_argument("--enforce-eager", action="store_true", default=None,
-                        help="CUDA: run every step eagerly (no decode CUDA graphs)")
-    parser.add_argument("--max-cudagraph-batch", type=int, default=None,
-                        help="largest decode batch replayed from a CUDA graph (default 256)")
-    parser.add_argument("--cudagraph-mode", type=_cudagraph_mode, default=None,
-                        help="CUDA graphs: FULL_DECODE_ONLY (decode steps; the default), FULL_AND_PIECEWISE (also "
-                             "mixed and prefill steps, per token bucket) or NONE")
-    parser.add_argument("--max-piecewise-tokens", type=int, default=None,
-                        help="largest token bucket of the piecewise graphs (default: --max-num-batched-tokens)")
-    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                        help="schedule and prepare the next step while the device runs this one (default: off)")
-    parser.add_argument("--trust-remote-code", action="store_true", default=None,
-                        help="let transformers run code shipped with the model's config/tokenizer (default: off)")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
-                        help="shard the model over N worker processes / GPUs (default 1)")
-    parser.add_argument("--allow-nonfinite-weights", action="store_true", default=None,
-                        help="load a checkpoint whose scales / weights hold NaN, inf or non-positive scales, with a "
-                             "warning (default: refuse it)")
     parser.add_argument("--max-request-body-bytes", type=int, default=16 << 20,
                         help="larger request bodies get 413 (default 16 MiB)")
     parser.add_argument("--request-timeout", type=float, default=None,
@@ -232,14 +172,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "abort the rest (default 30)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="server log level")
-    return parser
-
-
-_ENGINE_ARGS = ("quantization", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization", "tokenizer", "seed",
-                "enforce_eager", "max_cudagraph_batch", "trust_remote_code", "block_size", "enable_prefix_caching",
-                "revision", "allow_nonfinite_weights", "tensor_parallel_size", "kv_cache_dtype",
-                "kv_cache_key_rotation", "cudagraph_mode", "max_piecewise_tokens", "async_scheduling")
+    return add_engine_args(parser)
 
 
 def model_arg(args: argparse.Namespace) -> str:
@@ -266,7 +199,9 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
     from lqe.config import EngineConfig
     from lqe.engine.llm_engine import LLMEngine
 
-    kwargs = {k: getattr(args, k) for k in _ENGINE_ARGS if getattr(args, k, None) is not None}
+    kwargs = engine_kwargs(args)
+    if args.seed is not None:
+        kwargs["seed"] = args.seed
     engine = LLMEngine(EngineConfig.from_kwargs(model_arg(args), **kwargs))
     if getattr(args, "chat_template", None):
         if engine.tokenizer is None:
