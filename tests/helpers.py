@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 
 import torch
@@ -144,3 +145,23 @@ def random_canonical(k: int, n: int, bits: int, gs: int, asym: bool, act_order: 
     zeros = torch.randint(0, 2**bits, (ng, n), dtype=torch.uint8, generator=g) if asym else None
     g_idx = (torch.randperm(k, generator=g) // gsz).to(torch.int32) if act_order else None
     return CanonicalWeight(codes, scales, zeros, g_idx, bits, gs)
+
+
+def mixed_workload(n: int, seed: int = 0, shared_len: int = 20, max_body: int = 40, tokens: tuple[int, int] = (1, 20)):
+    """``n`` prompts and their sampling params for engine-path equivalence tests: every other prompt starts with one
+    shared ``shared_len``-token prefix (prefix-cache hits), bodies of 1..``max_body - 1`` tokens, every fourth request
+    seeded top-k sampling, the rest greedy; ``max_tokens`` drawn from ``range(*tokens)``, ``ignore_eos``."""
+    from lqe import SamplingParams
+
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 49000) for _ in range(shared_len)]
+    prompts, params = [], []
+    for i in range(n):
+        body = [rng.randrange(3, 49000) for _ in range(rng.randrange(1, max_body))]
+        prompts.append((shared if i % 2 else []) + body)
+        if i % 4 == 3:
+            params.append(SamplingParams(temperature=0.8, top_k=50, seed=7 + i, max_tokens=rng.randrange(*tokens),
+                                         ignore_eos=True))
+        else:
+            params.append(SamplingParams(temperature=0, max_tokens=rng.randrange(*tokens), ignore_eos=True))
+    return prompts, params

@@ -1,7 +1,6 @@
 """The CUDA-graph decode path's plain-Python parts, on CPU: buckets, the one-buffer step layout, padding rows,
 and whole generations run through the padded decode path (``EagerPaddedRunner``: the graph runner's
 bookkeeping with an eager forward in place of each replay) against the eager engine."""
-import random
 from types import SimpleNamespace
 
 import numpy as np
@@ -11,6 +10,8 @@ from lqe import LLM, SamplingParams
 from lqe.engine.cuda_graph import EagerPaddedRunner, batch_buckets, bucket_for, graphable
 from lqe.engine.scheduler import ScheduledSeq, SchedulerOutput
 from lqe.engine.step_inputs import StepLayout, fill_host, token_slice
+
+from helpers import mixed_workload
 
 
 def test_batch_buckets():
@@ -81,26 +82,11 @@ def test_prompt_logprobs_step_is_not_graphable():
     assert not graphable(SchedulerOutput([ScheduledSeq(s, 2, 1)]))
 
 
-def _workload(n: int, seed: int = 0):
-    rng = random.Random(seed)
-    shared = [rng.randrange(3, 49000) for _ in range(20)]
-    prompts, params = [], []
-    for i in range(n):
-        body = [rng.randrange(3, 49000) for _ in range(rng.randrange(1, 40))]
-        prompts.append((shared if i % 2 else []) + body)
-        if i % 4 == 3:
-            params.append(SamplingParams(temperature=0.8, top_k=50, seed=7 + i, max_tokens=rng.randrange(1, 20),
-                                         ignore_eos=True))
-        else:
-            params.append(SamplingParams(temperature=0, max_tokens=rng.randrange(1, 20), ignore_eos=True))
-    return prompts, params
-
-
 @pytest.mark.parametrize("num_kv_blocks", [None, 16])
 def test_padded_decode_path_equals_eager(tiny_llama_dir, num_kv_blocks):
     """Batched generation with decode steps on the padded-bucket path (prefix caching on; preemption forced by a
     16-block cache) gives every request the tokens it gets alone on the eager path."""
-    prompts, params = _workload(14)
+    prompts, params = mixed_workload(14)
     kw = dict(kv_cache_memory_bytes=64 << 20, max_model_len=256, enable_prefix_caching=True, max_num_seqs=6,
               max_cudagraph_batch=5)
     eager = LLM(tiny_llama_dir, **kw)

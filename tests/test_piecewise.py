@@ -2,7 +2,8 @@
 over the same static tensors (``RecordingBackend``: a CUDA graph's semantics, replayed eagerly), so these tests
 check the splitting at each attention, the static q/k/v/output buffers, the padding to token buckets, the eager
 attention between pieces with the step's real metadata and the LM head on the sampled rows."""
-import random
+
+from functools import partial
 
 import pytest
 import torch
@@ -13,6 +14,8 @@ from lqe.engine.graph_backends import CapturedHostSyncError, NoGraphBackend, Rec
 from lqe.engine.piecewise import PiecewiseRunner
 from lqe.engine.token_buckets import token_buckets
 from lqe.forward_context import ForwardContext, set_forward_context
+
+from helpers import mixed_workload
 
 BUCKETS = [16, 32, 48, 64]
 
@@ -62,19 +65,8 @@ def test_padded_step_replays_the_eager_step_exactly(model, request):
     assert runner.steps_by_path == {"decode_graph": 0, "piecewise": 2, "eager": 0}  # a's prefill, then this step
 
 
-def _workload(n, seed=0):
-    rng = random.Random(seed)
-    shared = [rng.randrange(3, 49000) for _ in range(24)]
-    prompts, params = [], []
-    for i in range(n):
-        body = [rng.randrange(3, 49000) for _ in range(rng.randrange(1, 70))]
-        prompts.append((shared if i % 2 else []) + body)
-        if i % 4 == 3:
-            params.append(SamplingParams(temperature=0.8, top_k=50, seed=7 + i, max_tokens=rng.randrange(2, 14),
-                                         ignore_eos=True))
-        else:
-            params.append(SamplingParams(temperature=0, max_tokens=rng.randrange(2, 14), ignore_eos=True))
-    return prompts, params
+# longer prompts and shorter outputs than test_cuda_graph_bookkeeping
+_workload = partial(mixed_workload, shared_len=24, max_body=70, tokens=(2, 14))
 
 
 @pytest.mark.parametrize("num_kv_blocks", [None, 20])

@@ -100,21 +100,12 @@ SCRIPT = """
     from lqe.kernels import triton_w8a8 as tw
     from lqe.kernels import w8a8 as kw
     from lqe.quant_layers import reference as ref
+    import test_gemv_w8a8 as G  # the operands of the GPU tests (tests/gpu)
     C = tw.W8A8Config
 
     def case(m, n, k, cfg, sym=True, bias=True, static=False, dt=torch.float16, epi=False):
-        g = torch.Generator().manual_seed(m * 1000 + n + k)
-        x = torch.randn(m, k, generator=g) * 2 + (0 if sym else 0.7)
-        w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
-        ws = torch.rand(n, generator=g) * 0.01 + 1e-3
-        if static:
-            sa = torch.tensor([0.03])
-            azp = None if sym else torch.tensor([5], dtype=torch.int32)
-            xq = ref.static_quant_int8(x, sa, azp)
-        else:
-            xq, sa, azp = ref.per_token_quant_int8(x, sym)
-        b = torch.randn(n, generator=g).to(dt) if bias else None
-        cs = w.to(torch.int32).sum(1).to(torch.int32)
+        xq, sa, w, ws, azp, cs = G.make_case(m, n, k, "int8", sym, static)
+        b = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dt) if bias else None
         out = torch.full((m, n), float("nan"), dtype=dt)
         if epi:
             acc = (xq.to(torch.int64) @ w.to(torch.int64).t()).to(torch.int32)
