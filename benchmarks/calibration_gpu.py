@@ -5,10 +5,16 @@ accuracy). Calibration streams the checkpoint one decoder layer at a time onto t
 Per method it records the calibration seconds, the seconds with the writer, the peak of
 ``torch.cuda.max_memory_allocated``, the median seconds per decoder layer, and against them a floor counted
 first: the fp32 FLOPs of the Hessian sums, the layer forwards GPTQ runs and the GPTQ updates, and the fp64 FLOPs of
-the Cholesky factorizations, over the fp32 / fp64 matmul rates measured in this process, plus the launch-bound
-column loop of GPTQ (about 13 small kernels per weight column, at the launch time measured here), which runs after
-the sums and so adds to them. With ``--layers N`` below the shape's count the
-checkpoint has N layers and ``extrapolated_seconds`` = fixed part + median layer time x the shape's layer count.
+the Cholesky factorizations (and of the recipes' extras: drift correction, rotation, code refinement; see
+:func:`layer_floor`), over the fp32 / fp64 matmul rates measured in this process, plus the launch-bound column loops
+of GPTQ and of the refinement (about 13 small kernels per weight column, at the launch time measured here), which run
+after the sums and so add to them. With ``--layers N`` below the shape's count the checkpoint has N layers and
+``extrapolated_seconds`` = fixed part + median layer time x the shape's layer count.
+
+Methods: plain GPTQ / AWQ / RTN / SmoothQuant, and ``recipe-sym`` / ``recipe-asym``, the README's two W4 g128
+recipes flag for flag (rotation, act-order, clipping search, drift correction; the asym one also per-head rotation
+and two refinement passes). Issue 27 asks for the whole 8B shape, each method in its own device call (one call is
+10 minutes); ``--work-dir`` on an ignored path inside the tree keeps the 16 GB random checkpoint between calls:
 
 Results go to ``benchmarks/results/calibration-<gpu>.json`` (``calibration-cpu.json`` without a GPU); rows of
 other methods / shapes already there are kept.
@@ -16,6 +22,7 @@ other methods / shapes already there are kept.
     python benchmarks/calibration_gpu.py                               # llama3-8b, 32 layers, 128 x 2048 tokens
     python benchmarks/calibration_gpu.py --layers 4 --methods gptq-sym  # a few minutes, extrapolated to 32 layers
     python benchmarks/calibration_gpu.py --quick                        # tiny shape, seconds, CPU or GPU
+    python benchmarks/calibration_gpu.py --methods gptq-asym-act --work-dir .cache/calib  # then: --methods recipe-asym
 """
 from __future__ import annotations
 
@@ -44,7 +51,7 @@ TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_att
             vocab_size=512, rope_theta=10000.0, max_position_embeddings=512, rms_norm_eps=1e-5,
             tie_word_embeddings=False)
 SHAPES = {"llama3-8b": LLAMA3_8B, "tiny": TINY}
-# name -> (method, ExportSpec fields); W4 g128 unless said otherwise
+# name -> (method, ExportSpec fields[, CalibOptions fields]); W4 g128 unless said otherwise
 METHODS = {
     "gptq-sym": ("gptq", dict(fmt="gptq", sym=True)),
     "gptq-asym": ("gptq", dict(fmt="gptq_v2", sym=False)),
@@ -52,6 +59,11 @@ METHODS = {
     "awq": ("awq", dict(fmt="awq", sym=False)),
     "rtn": ("rtn", dict(fmt="gptq", sym=True)),
     "smoothquant": ("smoothquant", dict(fmt="w8a8", bits=8, group_size=-1)),
+    # the README's two W4 recipes ("Accuracy methods and recipes"), flag for flag
+    "recipe-sym": ("gptq", dict(fmt="gptq", sym=True, desc_act=True, static_groups=True, mse=True, drift_alpha=0.25),
+                   dict(rotate="hadamard")),
+    "recipe-asym": ("gptq", dict(fmt="gptq", sym=False, desc_act=True, mse=True, drift_alpha=0.25),
+                    dict(rotate="hadamard", rotate_heads=True, refine_passes=2)),
 }
 DEFAULT_METHODS = "gptq-sym,gptq-asym,awq,rtn"
 SHARD_BYTES = 4 << 30
@@ -104,32 +116,50 @@ def measured_rates(device: torch.device) -> dict:
     return out
 
 
-def layer_floor(fields: dict, tokens: int, seq_len: int, method: str, rates: dict) -> dict:
+def layer_floor(fields: dict, tokens: int, seq_len: int, method: str, rates: dict, drift: bool = False,
+                refine_passes: int = 0, rotate: bool = False, zeros: bool = False) -> dict:
     """Counted work of one decoder layer for ``method`` and the time it takes at ``rates`` (what the hardware did on
-    plain matmuls in this process): the floor the measured time is compared with."""
+    plain matmuls in this process): the floor the measured time is compared with. GPTQ's extras, when on: ``drift``
+    (one more float forward, the drift sums beside the Hessians, and per linear a float64 solve and correction),
+    ``refine_passes`` (per pass the residual ``H (w~ - w)`` twice over, a column loop, and the float64 scale refit;
+    ``zeros``: asymmetric, whose refit solves for the zero points too), ``rotate`` (one float64 matmul per linear).
+    The clipping search of ``mse`` is elementwise work and not counted."""
     h, inter = fields["hidden_size"], fields["intermediate_size"]
     hd = h // fields["num_attention_heads"]
     kv = fields["num_key_value_heads"] * hd
     qkv, o, gu, d = h * (h + 2 * kv), h * h, 2 * h * inter, inter * h  # parameters of each linear group
     attn = 2 * seq_len * h  # per token: Q K^T and P V over the causal half of the sequence, 2 FLOPs a MAC
     linears = [(h + 2 * kv, h), (h, h), (inter, h), (inter, h), (h, inter)]  # [N, K]: q/k/v as one, o, gate, up, down
+    per_linear = [(h, h), (kv, h), (kv, h)] + linears[1:]  # q, k, v quantized separately, one Hessian each
+    fp64 = 0.0
     if method == "gptq":
         forward = 2 * tokens * (4 * qkv + 3 * o + 2 * gu + d) + 4 * tokens * attn  # 4 cut-short passes + advance
         hessian = 2 * tokens * (3 * h * h + inter * inter)  # X^T X of q/k/v, o, gate/up, down inputs
-        # GPTQ: lazy block updates ~ N K^2 + N K B; q, k, v quantized separately with one Hessian each
+        # GPTQ: lazy block updates ~ N K^2 + N K B
         update = sum(n * k * k + n * k * GPTQ_BLOCK for n, k in linears)
-        chol = sum(4 / 3 * k ** 3 for _, k in [(0, h)] * 3 + linears[1:])  # per linear: chol, inverse, chol
-        columns = 3 * h + sum(k for _, k in linears[1:])
+        fp64 = sum(4 / 3 * k ** 3 for _, k in per_linear)  # per linear: chol, inverse, chol
+        columns = sum(k for _, k in per_linear)
+        if drift:  # the float stream's forward, D = sum (x_fp - x) x^T beside H, then W + a W D H^-1 per linear
+            forward += 2 * tokens * (qkv + o + gu + d) + 2 * tokens * attn
+            hessian *= 2
+            fp64 += sum(8 / 3 * k ** 3 + 2 * n * k * k for n, k in per_linear)
+        if refine_passes:  # per pass: r = H (w~ - w), its block updates, the in-block rank-1 steps; then the refit
+            update += refine_passes * sum(4 * n * k * k + 2 * n * k * GPTQ_BLOCK for n, k in per_linear)
+            bases = 3 if zeros else 1  # normal equations: [codes, -1] for (s, s z), then codes - z for s
+            fp64 += sum((refine_passes * (2 * bases + 4) + 4) * n * k * k for n, k in per_linear)  # + row errors
+            columns += refine_passes * sum(k for _, k in per_linear)
+        if rotate:
+            fp64 += sum(2 * n * k * k for n, k in per_linear)
     elif method == "rtn":
-        forward = hessian = update = chol = columns = 0
+        forward = hessian = update = columns = 0
     else:  # awq / smoothquant: a statistics pass (cut short before down_proj) + advance; AWQ's search not counted
         forward = 2 * tokens * (2 * qkv + 2 * o + 2 * gu + d) + 2 * tokens * attn
-        hessian = update = chol = columns = 0
+        hessian = update = columns = 0
     fp32 = forward + hessian + update
-    floor = fp32 / rates["fp32_flops"] + chol / rates["fp64_flops"]
+    floor = fp32 / rates["fp32_flops"] + fp64 / rates["fp64_flops"]
     launch = columns * KERNELS_PER_COLUMN * rates["launch_s"]
     return {"forward_tflop": forward / 1e12, "hessian_tflop": hessian / 1e12, "gptq_update_tflop": update / 1e12,
-            "cholesky_fp64_tflop": chol / 1e12, "gptq_columns": columns, "flop_floor_s": floor,
+            "fp64_tflop": fp64 / 1e12, "gptq_columns": columns, "flop_floor_s": floor,
             "launch_floor_s": launch, "floor_s": floor + launch}  # serial phases: the column loop waits for the sums
 
 
@@ -145,10 +175,11 @@ def run_method(name: str, model_dir: Path, out_dir: Path, args, ids: torch.Tenso
     from tools.convert.quantize import CalibOptions, quantize_checkpoint
     from tools.convert.spec import ExportSpec
 
-    method, spec_fields = METHODS[name]
+    method, spec_fields, *rest = METHODS[name]
+    opts_fields = rest[0] if rest else {}
     spec = ExportSpec(**{"group_size": args.group_size, **spec_fields})
     opts = CalibOptions(num_samples=ids.shape[0], seq_len=ids.shape[1], batch_size=args.batch_size, device=str(device),
-                        offload_activations=args.offload_activations)
+                        offload_activations=args.offload_activations, **opts_fields)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -160,10 +191,13 @@ def run_method(name: str, model_dir: Path, out_dir: Path, args, ids: torch.Tenso
     layers = len(res.layer_seconds)
     per_layer = statistics.median(res.layer_seconds) if res.layer_seconds else 0.0
     fixed = max(0.0, res.seconds - sum(res.layer_seconds))
-    floor = layer_floor(fields, ids.numel(), ids.shape[1], method, rates)
+    floor = layer_floor(fields, ids.numel(), ids.shape[1], method, rates, drift=spec.drift_alpha > 0,
+                        refine_passes=opts.refine_passes, rotate=opts.rotate is not None, zeros=not spec.sym)
     errors = [e for e in res.layer_errors if e is not None]
     row = {"method": name, "quant_method": method, "bits": spec.bits, "group_size": spec.group_size, "sym": spec.sym,
-           "desc_act": spec.desc_act, "layers": layers, "calib_seconds": round(res.seconds, 2),
+           "desc_act": spec.desc_act, "flags": {k: v for k, v in {**spec_fields, **opts_fields}.items()
+                                                 if k not in ("fmt", "bits", "group_size", "sym", "desc_act")},
+           "layers": layers, "calib_seconds": round(res.seconds, 2),
            "seconds": round(total, 2), "write_seconds": round(total - res.seconds, 2),
            "layer_seconds_median": round(per_layer, 3), "fixed_seconds": round(fixed, 2),
            "extrapolated_seconds": round(fixed + per_layer * args.full_layers, 1),
@@ -239,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{name}] calibration {row['calib_seconds']:.1f}s (+{row['write_seconds']:.1f}s writing), "
               f"{row['layer_seconds_median']:.3g}s/layer against a floor of {row['floor_s_per_layer']:.3g}s "
               f"(fp32 {f['forward_tflop'] + f['hessian_tflop'] + f['gptq_update_tflop']:.3g} TFLOP, fp64 "
-              f"{f['cholesky_fp64_tflop']:.3g} TFLOP, {f['gptq_columns']} GPTQ columns: launch floor "
+              f"{f['fp64_tflop']:.3g} TFLOP, {f['gptq_columns']} GPTQ columns: launch floor "
               f"{f['launch_floor_s']:.3g}s)" + (f" = {row['vs_floor']}x" if row["vs_floor"] else "")
               + (f"; extrapolated to {args.full_layers} layers: {row['extrapolated_seconds']:.0f}s"
                  if layers != args.full_layers else "")

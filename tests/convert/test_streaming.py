@@ -311,12 +311,23 @@ def test_calibration_benchmark_quick_runs_on_cpu(tmp_path):
     import calibration_gpu
 
     out = tmp_path / "calib.json"
-    assert calibration_gpu.main(["--quick", "--device", "cpu", "--methods", "gptq-sym,rtn", "--out", str(out),
-                                 "--work-dir", str(tmp_path / "work")]) == 0
+    assert calibration_gpu.main(["--quick", "--device", "cpu", "--methods", "gptq-sym,rtn,recipe-asym", "--out",
+                                 str(out), "--work-dir", str(tmp_path / "work")]) == 0
     data = json.loads(out.read_text())
     rows = {r["method"]: r for r in data["rows"]}
-    assert set(rows) == {"gptq-sym", "rtn"} and data["env"]["torch"] == torch.__version__
+    assert set(rows) == {"gptq-sym", "rtn", "recipe-asym"} and data["env"]["torch"] == torch.__version__
     g = rows["gptq-sym"]
     assert g["layers"] == 2 and g["calib_seconds"] > 0 and g["floor"]["hessian_tflop"] > 0
     assert g["floor"]["gptq_columns"] == 3 * 128 + 128 + 2 * 128 + 256 and g["floor_s_per_layer"] > 0
-    assert 0 < g["mean_layer_error"] < 1 and g["device"] == "cpu"
+    assert 0 < g["mean_layer_error"] < 1 and g["device"] == "cpu" and g["flags"] == {}
+    # the README's asym recipe, flag for flag, with its extra work in the floor: the float stream's forward and
+    # drift sums, two refinement passes over every column, the float64 drift / rotation / refit work
+    r = rows["recipe-asym"]
+    assert r["quant_method"] == "gptq" and not r["sym"] and r["desc_act"] and r["group_size"] == 64
+    assert r["flags"] == {"mse": True, "drift_alpha": 0.25, "rotate": "hadamard", "rotate_heads": True,
+                          "refine_passes": 2}
+    assert r["floor"]["gptq_columns"] == 3 * g["floor"]["gptq_columns"]
+    assert r["floor"]["hessian_tflop"] == pytest.approx(2 * g["floor"]["hessian_tflop"])
+    assert r["floor"]["forward_tflop"] > g["floor"]["forward_tflop"]
+    assert r["floor"]["fp64_tflop"] > 10 * g["floor"]["fp64_tflop"]
+    assert 0 < r["mean_layer_error"] < 1
