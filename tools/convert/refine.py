@@ -127,31 +127,32 @@ def _coordinate_pass(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
                      maxq: int, block: int = 128) -> int:
     """One cyclic pass over the rows of ``codes [K, N]`` (math layout, float, updated in place) for per-element
     ``scale`` and ``zero`` ``[K, N]`` and target ``w [K, N]``; lazy block updates of ``R = H (w~ - w)`` as in GPTQ.
-    Returns the number of codes changed."""
+    Returns the number of codes changed.
+
+    The column loop never reads a value back to the host (on a GPU it is launch-bound, and a sync per column would
+    drain the launch queue K times per pass): a column none of whose codes moves is updated by zeros, which leaves
+    every value as it was (``w~_k`` is exactly ``s (c - z)`` when ``d = 0``, so ``q = c``)."""
     k_all = codes.shape[0]
     w_hat = scale * (codes - zero)
     r = h @ (w_hat - w)
     diag = torch.diagonal(h).clamp_min(1e-30)
-    changed = 0
+    changed = torch.zeros((), dtype=torch.int64, device=codes.device)
     for i1 in range(0, k_all, block):
         i2 = min(i1 + block, k_all)
         rb = r[i1:i2].clone()
         hb = h[i1:i2, i1:i2]
-        deltas = torch.zeros_like(rb)
+        deltas = torch.empty_like(rb)
         for j in range(i2 - i1):
             k = i1 + j
             s, z = scale[k], zero[k]
             q = torch.clamp(torch.round((w_hat[k] - rb[j] / diag[k]) / s) + z, 0, maxq)
-            d = s * (q - z) - w_hat[k]
-            n_moved = int(torch.count_nonzero(d))
-            if n_moved:
-                changed += n_moved
-                codes[k] = q
-                w_hat[k] += d
-                deltas[j] = d
-                rb.addr_(hb[:, j], d)
+            d = torch.sub(s * (q - z), w_hat[k], out=deltas[j])
+            changed += torch.count_nonzero(d)
+            codes[k] = q
+            w_hat[k] += d
+            rb.addr_(hb[:, j], d)
         r.addmm_(h[:, i1:i2], deltas)
-    return changed
+    return int(changed)
 
 
 @torch.no_grad()
