@@ -1,5 +1,9 @@
 """End-to-end GPU benchmark (issue 7): random-weight models shaped like real ones, bf16 / W4A16 / W8A8.
 
+Variants: ``bf16``; ``w4a16`` (GPTQ W4 g128 on ``dispatch.WNA16_TABLE``) and ``w4a16-mma`` (the same checkpoint on
+``dispatch.WNA16_MMA_TABLE``: the lqe-w4a16-mma GEMM, issue 24); ``w8a8`` (a converted W8A8 checkpoint),
+``w8a8-online`` and ``fp8`` (the bf16 checkpoint quantized at load time, issue 25).
+
 Per (model shape, variant) it measures, through the public API (``LLM.generate`` on token-id prompts, greedy,
 ``ignore_eos``):
 
@@ -32,6 +36,7 @@ fails the variant is skipped with the reason printed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -64,9 +69,11 @@ SHAPES = {  # HF config fields of the real models; weights are random
                                    num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0,
                                    max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True)),
 }
-VARIANTS = {"bf16": None, "w4a16": "gptq", "w8a8": "w8a8", "w8a8-online": "online:int8", "fp8": "online:fp8"}  # variant -> tools.convert --format
+VARIANTS = {"bf16": None, "w4a16": "gptq", "w4a16-mma": "gptq", "w8a8": "w8a8", "w8a8-online": "online:int8",
+            "fp8": "online:fp8"}  # variant -> tools.convert --format
 # ("online:<kind>": the bf16 checkpoint loaded with quantization=<kind>: per-channel weights, dynamic per-token
 # activations, quantized at load time; issue 25)
+VARIANT_ENV = {"w4a16-mma": {"LQE_WNA16_TABLE": "mma"}}  # the w4a16 checkpoint on dispatch.WNA16_MMA_TABLE (issue 24)
 MAX_MODEL_LEN = 2048 + 64
 SHARD_BYTES = 4 << 30
 
@@ -303,6 +310,22 @@ def run_variant(model_dir: Path, args, vocab: int, shape: str) -> dict:
     return row
 
 
+@contextlib.contextmanager
+def variant_env(variant: str):
+    """The variant's environment (VARIANT_ENV) while its engine loads and runs, the old one after."""
+    env = VARIANT_ENV.get(variant, {})
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _free_gpu() -> None:
     gc.collect()
     torch.cuda.synchronize()
@@ -374,14 +397,15 @@ def main(argv: list[str] | None = None) -> int:
             model_dir, why = base, ""
             online = (VARIANTS[variant] or "").startswith("online:")
             args.quantization = VARIANTS[variant].removeprefix("online:") if online else None
-            if VARIANTS[variant] and not online:
-                model_dir, why = quantize(base, VARIANTS[variant], work / shape / variant)
+            if VARIANTS[variant] and not online:  # one checkpoint per format (w4a16-mma reads w4a16's)
+                model_dir, why = quantize(base, VARIANTS[variant], work / shape / VARIANTS[variant])
             if model_dir is None:
                 print(f"[{shape}/{variant}] skipped: {why}", flush=True)
                 continue
             t0 = time.perf_counter()
             try:
-                row = run_variant(model_dir, args, vocab, shape)
+                with variant_env(variant):
+                    row = run_variant(model_dir, args, vocab, shape)
             except Exception as e:  # noqa: BLE001 -- one broken variant must not lose the others
                 print(f"[{shape}/{variant}] failed: {type(e).__name__}: {e}", flush=True)
                 continue

@@ -171,7 +171,7 @@ def add_wna16_candidates(out: dict, k: int, n: int, p4: list, w4bytes: int) -> N
                                   w4bytes + k * n * 2)
 
 
-def wna16_sweep(shapes: list[str], ms: list[int]) -> list[dict]:
+def wna16_sweep(shapes: list[str], ms: list[int], on_shape=None) -> list[dict]:
     """Time every candidate config of lqe/kernels/triton_wna16.py (sweep_configs) per shape and M, beside cuBLAS
     bf16, the CUDA GEMM, Triton dequantize + cuBLAS and the current table, all in this run; print the best per M,
     the geometric mean over shapes and the bytes floor (packed weights + scales + x + y at d2d copy speed)."""
@@ -208,6 +208,8 @@ def wna16_sweep(shapes: list[str], ms: list[int]) -> list[dict]:
                          f"{floor_us:.2f} us", shape, m, base, timed, top=4, floor_us=floor_us)
         del wb, p4
         torch.cuda.empty_cache()
+        if on_shape:
+            on_shape(rows)
     print_geomeans("W4A16", by_m, len(shapes), top=4)
     return rows
 
@@ -289,7 +291,7 @@ def add_model_columns(out: dict, k: int, n: int, ws_bf16: list, plans: list | No
     out["w8a8-table+quant"] = (*out["w8a8-table+quant"][:2], {"model_us": unfused, "model_fused_us": fused})
 
 
-def w8a8_sweep(shapes: list[str], ms: list[int], copy_gbps: float) -> list[dict]:
+def w8a8_sweep(shapes: list[str], ms: list[int], copy_gbps: float, on_shape=None) -> list[dict]:
     """Time every candidate tile config of lqe/kernels/triton_w8a8.py (sweep_configs) per shape and M, beside
     cuBLAS bf16, int-mm+epilogue and lqe-w8a8 of the same run; print the best per M and a suggested table."""
     from lqe.kernels import triton_w8a8 as tw
@@ -342,6 +344,8 @@ def w8a8_sweep(shapes: list[str], ms: list[int], copy_gbps: float) -> list[dict]
                 q, s, c().t(), ws, out=o))())
             record_sweep(rows, best_by_m, f"sweep {shape} M={m}: cublas-bf16 {base:.2f} us", shape, m, base, timed,
                          top=4)
+        if on_shape:
+            on_shape(rows)
     print_geomeans("W8A8", best_by_m, len(shapes), top=3)
     return rows
 
@@ -393,17 +397,29 @@ def main(argv=None) -> int:
     print(f"# {gpu} | torch {env['torch']} cuda {env['cuda']} | d2d copy {copy_gbps:.0f} GB/s")
     import kernels_w8a8 as kw8
 
+    tag = "".join(c if c.isalnum() else "-" for c in gpu).strip("-").lower()
+    path = Path(args.out) if args.out else (Path(os.environ["OUT"]) if os.environ.get("OUT") else
+                                            Path(__file__).parent / "results") / \
+        f"kernels{'-w8a8-sweep' if args.w8a8_sweep else ''}{'-wna16-sweep' if args.wna16_sweep else ''}{'-w4a16' if args.w4a16 else ''}-{tag}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(rows: list[dict], implied: dict | None = None) -> None:
+        """Write what is measured so far (after every shape: a run cut by its time limit keeps its rows)."""
+        path.write_text(json.dumps({"device": gpu, "env": env, "copy_gbps": round(copy_gbps, 1), "rows": rows,
+                                    "implied_tables": implied or {}, "complete": implied is not None}, indent=1))
+
     rows = []
     if args.w8a8_sweep:
-        rows = w8a8_sweep(args.shapes, args.m, copy_gbps)
+        rows = w8a8_sweep(args.shapes, args.m, copy_gbps, on_shape=save)
         args.shapes = []
     if args.wna16_sweep:
-        rows += wna16_sweep(args.shapes, args.m)
+        rows += wna16_sweep(args.shapes, args.m, on_shape=lambda part: save(rows + part))
         args.shapes = []
     if args.w4a16:
         from kernels_w4a16 import w4a16_sweep
 
-        rows += w4a16_sweep(args.shapes, args.m, copy_gbps, bench, rotating, cycler, kw8.floor_us, gpu)
+        rows += w4a16_sweep(args.shapes, args.m, copy_gbps, bench, rotating, cycler, kw8.floor_us, gpu,
+                            on_shape=lambda part: save(rows + part))
         args.shapes = []
     hdr = (f"{'kernel':26s} {'KxN':>11s} {'M':>5s} {'us':>9s} {'TFLOP/s':>8s} {'GB/s':>7s} {'%copy':>6s} {'vs cuBLAS':>9s}"
            f"  | model: producer+layer us (vs bf16), fused producer->int8 us (vs bf16)")
@@ -449,14 +465,8 @@ def main(argv=None) -> int:
                       + f"  floor {row['floor_us']:.2f} us")
         del cands
         torch.cuda.empty_cache()
-    implied = kw8.print_implied_tables(rows) if not (args.w8a8_sweep or args.wna16_sweep or args.w4a16) else {}
-    tag = "".join(c if c.isalnum() else "-" for c in gpu).strip("-").lower()
-    path = Path(args.out) if args.out else (Path(os.environ["OUT"]) if os.environ.get("OUT") else
-                                            Path(__file__).parent / "results") / \
-        f"kernels{'-w8a8-sweep' if args.w8a8_sweep else ''}{'-wna16-sweep' if args.wna16_sweep else ''}{'-w4a16' if args.w4a16 else ''}-{tag}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"device": gpu, "env": env, "copy_gbps": round(copy_gbps, 1), "rows": rows,
-                                "implied_tables": implied}, indent=1))
+        save(rows)
+    save(rows, kw8.print_implied_tables(rows) if not (args.w8a8_sweep or args.wna16_sweep or args.w4a16) else {})
     print(f"# wrote {path}")
     return 0
 

@@ -86,7 +86,7 @@ def implied_mma_table(by_m: dict[int, dict[str, list[float]]], num_shapes: int) 
 
 
 def w4a16_sweep(shapes: list[str], ms: list[int], copy_gbps: float, bench, rotating, cycler, floor_us,
-                gpu: str) -> list[dict]:
+                gpu: str, on_shape=None) -> list[dict]:
     rows: list[dict] = []
     by_m: dict[int, dict[str, list[float]]] = {}
     for shape in shapes:
@@ -113,6 +113,8 @@ def w4a16_sweep(shapes: list[str], ms: list[int], copy_gbps: float, bench, rotat
                 if sp:
                     by_m.setdefault(m, {}).setdefault(name, []).append(sp)
                 print(f"{name:30s} {m:5d} {us:9.2f} {fl:9.2f} {gbps:7.0f} {sp if sp else '':>9}")
+        if on_shape:  # the caller saves what is measured so far
+            on_shape(rows)
     print("# W4A16: geometric-mean speed-up over cuBLAS bf16 across shapes")
     for m, d in sorted(by_m.items()):
         gm = sorted(((math.exp(sum(map(math.log, v)) / len(v)), nm) for nm, v in d.items() if len(v) == len(shapes)),

@@ -24,13 +24,13 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 if [[ "${1:-}" == --* ]]; then  # a focused stage: benchmarks/stages/<name>.sh
   stage="benchmarks/stages/${1#--}.sh"
-  if [[ ! -f "$stage" ]]; then
-    echo "run_gpu.sh: no stage '${1#--}'; stages: $(ls benchmarks/stages | grep -v common.sh | sed 's/\.sh$//' | tr '\n' ' ')" >&2
+  if [[ ! -f "$stage" || "${1#--}" == common || "${1#--}" == budget ]]; then
+    echo "run_gpu.sh: no stage '${1#--}'; stages: $(ls benchmarks/stages | grep -v -e common.sh -e budget.sh | sed 's/\.sh$//' | tr '\n' ' ')" >&2
     exit 2
   fi
   shift; exec bash "$stage" "$@"
 fi
-T_START=$(date +%s)
+LQE_BUDGET_S=${LQE_BUDGET_S:-560} source benchmarks/stages/budget.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUTDIR="${OUT:-benchmarks/results}"; mkdir -p "$OUTDIR"
 LOGDIR="$OUTDIR/logs"; mkdir -p "$LOGDIR"
@@ -53,21 +53,17 @@ python -c "import logging,sys;logging.basicConfig(level=logging.INFO);import lqe
 stage_rc[build]=${PIPESTATUS[0]}
 BUILD_S=$(python -c "import time;print(round(time.time()-$t0,1))")
 
-# The whole run keeps inside LQE_BUDGET_S seconds (default 560: one device call is limited to 600 s, and the summary
-# JSON must still be written): each stage's timeout is cut to what is left, and a stage with under 30 s left is
-# skipped and reported as "skipped (time budget)".
-T_END=$(( T_START + ${LQE_BUDGET_S:-560} ))
-skip() {
+# The whole run keeps inside LQE_BUDGET_S seconds (default 560 from the start: one device call is limited to 600 s,
+# and the summary JSON must still be written): each stage's timeout is cut to what is left (budget.sh), and a stage
+# with under 30 s left is skipped and reported as "skipped (time budget)".
+skip_stage() {
   if [[ " ${LQE_SKIP:-} " == *" $1 "* ]]; then stage_rc[$1]=-1; return 0; fi
-  if (( T_END - $(date +%s) < 30 )); then stage_rc[$1]=-2; echo "-- $1: skipped (time budget LQE_BUDGET_S)"; return 0; fi
+  if skip "$1"; then stage_rc[$1]=-2; return 0; fi
   return 1
-}
-left() {  # left WANT: WANT seconds, or fewer if the budget ends sooner (10 s kept for the summary)
-  local l=$(( T_END - $(date +%s) - 10 )); (( l < $1 )) && echo "$l" || echo "$1"
 }
 
 echo "== [2/5] GPU tests (${LQE_TEST_JOBS:-6} pytest processes side by side)"
-if ! skip tests; then
+if ! skip_stage tests; then
   # the test ids split into LQE_TEST_JOBS groups, run concurrently on the one GPU (the tests
   # are latency-bound and small; nothing in them is timed), each group writing its own JUnit XML
   rm -f "$LOGDIR"/gpu-tests-*.xml
@@ -85,7 +81,7 @@ PY
 )
   pids=()
   for i in "${!groups[@]}"; do
-    timeout "$(left "${LQE_TEST_TIMEOUT:-300}")" python -m pytest -m gpu ${groups[$i]} -q -p no:cacheprovider \
+    timeout "$(budget "${LQE_TEST_TIMEOUT:-300}")" python -m pytest -m gpu ${groups[$i]} -q -p no:cacheprovider \
       --junitxml="$LOGDIR/gpu-tests-$i.xml" > "$LOGDIR/gpu-tests-$i.txt" 2>&1 &
     pids+=($!)
   done
@@ -98,22 +94,22 @@ PY
 fi
 
 echo "== [3/5] kernel benchmark"
-if ! skip kernels; then
-  timeout "$(left "${LQE_KERNELS_TIMEOUT:-150}")" python benchmarks/kernels.py --m ${LQE_KERNEL_MS:-1 4 16 64 256 1024} --out "$OUTDIR/kernels-$SLUG.json" 2>&1 \
+if ! skip_stage kernels; then
+  timeout "$(budget "${LQE_KERNELS_TIMEOUT:-150}")" python benchmarks/kernels.py --m ${LQE_KERNEL_MS:-1 4 16 64 256 1024} --out "$OUTDIR/kernels-$SLUG.json" 2>&1 \
     | tee "$LOGDIR/kernels.txt" | tail -60
   stage_rc[kernels]=${PIPESTATUS[0]}
 fi
 
 echo "== [4/5] end-to-end benchmark (--quick)"
-if ! skip e2e; then
-  timeout "$(left "${LQE_E2E_TIMEOUT:-240}")" python benchmarks/e2e_gpu.py --quick --out-dir "$OUTDIR" ${LQE_E2E_ARGS:-} 2>&1 \
+if ! skip_stage e2e; then
+  timeout "$(budget "${LQE_E2E_TIMEOUT:-240}")" python benchmarks/e2e_gpu.py --quick --out-dir "$OUTDIR" ${LQE_E2E_ARGS:-} 2>&1 \
     | tee "$LOGDIR/e2e.txt" | grep -v "^\[lqe" | tail -30
   stage_rc[e2e]=${PIPESTATUS[0]}
 fi
 
 echo "== [5/5] calibration benchmark (llama3-8b shape, 4 layers, 128 x 2048 tokens; extrapolated to 32 layers)"
-if ! skip calib; then
-  timeout "$(left "${LQE_CALIB_TIMEOUT:-300}")" python benchmarks/calibration_gpu.py --out "$OUTDIR/calibration-$SLUG.json" \
+if ! skip_stage calib; then
+  timeout "$(budget "${LQE_CALIB_TIMEOUT:-300}")" python benchmarks/calibration_gpu.py --out "$OUTDIR/calibration-$SLUG.json" \
     ${LQE_CALIB_ARGS:---layers 4 --methods gptq-sym} 2>&1 | tee "$LOGDIR/calibration.txt" | grep "^\[\|^wrote" | tail -20
   stage_rc[calib]=${PIPESTATUS[0]}
 fi

@@ -138,7 +138,8 @@ def measure(model_dir: str, args) -> dict:
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(runner, "prepare_inputs", "prep")
     timer.wrap(runner.model, "forward", "forward")
-    timer.wrap(runner, "_sample", "sample")
+    timer.wrap(runner, "_launch_sample", "sample")
+    timer.wrap(runner, "to_host_wait", "sample")
     timer.wrap(runner.model, "compute_logits", "sample")
     for m in runner.model.modules():
         if isinstance(m, Attention):

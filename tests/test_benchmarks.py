@@ -174,3 +174,38 @@ def test_e2e_gpu_quantize_command_runs(fmt, tiny_llama_dir, tmp_path):
     assert out is not None, why
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["quantization_config"], cfg
+
+
+def test_e2e_gpu_variant_env_is_scoped(monkeypatch):
+    """w4a16-mma is the w4a16 checkpoint on dispatch.WNA16_MMA_TABLE: LQE_WNA16_TABLE=mma while that variant's
+    engine loads and runs, and what was there before afterwards (the next variant runs the default table)."""
+    import e2e_gpu
+
+    from lqe.kernels import dispatch, gemm
+
+    assert e2e_gpu.VARIANTS["w4a16-mma"] == e2e_gpu.VARIANTS["w4a16"]
+    monkeypatch.delenv("LQE_WNA16_TABLE", raising=False)
+    with e2e_gpu.variant_env("w4a16-mma"):
+        assert gemm.active_table() is dispatch.WNA16_MMA_TABLE
+    assert "LQE_WNA16_TABLE" not in os.environ and gemm.active_table() is dispatch.WNA16_TABLE
+    monkeypatch.setenv("LQE_WNA16_TABLE", "default")
+    with pytest.raises(RuntimeError), e2e_gpu.variant_env("w4a16-mma"):
+        raise RuntimeError("a failed variant")
+    assert os.environ["LQE_WNA16_TABLE"] == "default"
+    with e2e_gpu.variant_env("bf16"):
+        assert os.environ["LQE_WNA16_TABLE"] == "default"
+
+
+def test_step_host_time_runs_on_cpu(tmp_path):
+    """benchmarks/stages/engine.sh's host-time step: it wraps runner methods by name, so a renamed method breaks it
+    (it did: ``_sample`` became ``_launch_sample``). A subprocess: the script pins torch to one thread."""
+    import subprocess
+
+    out = tmp_path / "host.json"
+    subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "step_host_time.py"), "--steps", "2",
+                    "--warmup", "1", "--decodes", "4", "--chunk", "32", "--kv-mib", "64", "--out", str(out)],
+                   check=True, capture_output=True, text=True, timeout=300)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["steps_by_path"] == {"decode_graph": 0, "piecewise": 0, "eager": 2}
+    assert row["sample_ms"] > 0 and row["forward_ms"] > row["attention_ms"] > 0 and row["schedule_ms"] > 0
+    assert row["host_ms_per_step"] >= row["forward_ms"] + row["sample_ms"] and row["ops_per_step"] > 100

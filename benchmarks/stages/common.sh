@@ -2,11 +2,11 @@
 # Sourced by every focused GPU stage (benchmarks/stages/<name>.sh, run as `bash benchmarks/run_gpu.sh --<name>`):
 # environment, output folder, GPU slug, and the CUDA build for this GPU only. Defines:
 #   OUTDIR LOGDIR SLUG  and  run_tests <pytest args...>  (gpu-marked tests, JUnit XML in $LOGDIR)
+#   budget WANT   WANT seconds, or what is left of the stage's LQE_BUDGET_S (default 570: one device call is 600 s)
+#   skip NAME     true when NAME is in LQE_SKIP, or when under 30 s of the budget are left (then it says so)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-OUTDIR="${OUT:-benchmarks/results}"; mkdir -p "$OUTDIR"
-LOGDIR="$OUTDIR/logs"; mkdir -p "$LOGDIR"
+source benchmarks/stages/budget.sh
 if ! python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "stage: no CUDA GPU visible (torch.cuda.is_available() is False); nothing was run." >&2
   exit 2
@@ -25,7 +25,7 @@ echo "build: exit $BUILD_RC in $(( $(date +%s) - t0 )) s"
 
 run_tests() {  # run_tests NAME pytest-args...: gpu-marked tests, summary line, JUnit XML in $LOGDIR/NAME.xml
   local name=$1; shift
-  timeout "${LQE_TEST_TIMEOUT:-300}" python -m pytest -m gpu -q -p no:cacheprovider --junitxml="$LOGDIR/$name.xml" "$@" \
+  timeout "$(budget "${LQE_TEST_TIMEOUT:-300}")" python -m pytest -m gpu -q -p no:cacheprovider --junitxml="$LOGDIR/$name.xml" "$@" \
     > "$LOGDIR/$name.txt" 2>&1
   local rc=$?
   echo "-- tests $name: exit $rc"; tail -25 "$LOGDIR/$name.txt"

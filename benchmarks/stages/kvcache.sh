@@ -8,11 +8,11 @@
 #      $LQE_CACHE_DIR/lqe-bench-models): bf16, fp8 KV (keys rotated, the default) and fp8-plain (no rotation: its
 #      cost) in the same run, tok/s with the byte floor, and the allocator's blocks / concurrent sequences at
 #      gpu_memory_utilization 0.9 -> $OUTDIR/kvcache-$SLUG.json (~5 min; LQE_KV_ARGS="--variants auto,fp8" ~4).
-# Time limits (s): LQE_TEST_TIMEOUT (120), LQE_KV_TIMEOUT (420). LQE_SKIP="tests bench" skips steps.
+# Time limits (s): LQE_TEST_TIMEOUT (120), LQE_KV_TIMEOUT (420), cut to the stage budget LQE_BUDGET_S (570).
+# LQE_SKIP="tests bench" skips steps.
 # LQE_KV_ARGS replaces the benchmark's arguments (e.g. "--shape smollm2-135m" for a quick check).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 rc=0
-skip() { [[ " ${LQE_SKIP:-} " == *" $1 "* ]]; }
 
 if ! skip tests; then
   LQE_TEST_TIMEOUT=${LQE_TEST_TIMEOUT:-120} run_tests kvcache tests/gpu/test_triton_attention_fp8.py \
@@ -22,7 +22,7 @@ fi
 if ! skip bench; then
   echo "== fp8 vs bf16 KV cache: decode at 4k contexts x 64, capacity"
   # shellcheck disable=SC2086
-  timeout "${LQE_KV_TIMEOUT:-420}" python benchmarks/kv_cache_gpu.py ${LQE_KV_ARGS:-} --out "$OUTDIR/kvcache-$SLUG.json" \
+  timeout "$(budget "${LQE_KV_TIMEOUT:-420}")" python benchmarks/kv_cache_gpu.py ${LQE_KV_ARGS:-} --out "$OUTDIR/kvcache-$SLUG.json" \
     2>&1 | tee "$LOGDIR/kvcache.log" | grep -v "^\[lqe"
   brc=${PIPESTATUS[0]}
   [[ $brc -eq 0 ]] || { echo "kv_cache_gpu: exit $brc (log: $LOGDIR/kvcache.log)"; rc=1; }

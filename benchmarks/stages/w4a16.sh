@@ -1,27 +1,48 @@
 #!/usr/bin/env bash
-# Issue 24 stage: lqe-w4a16-mma (csrc/gemm/w4a16_mma.cu). `bash benchmarks/run_gpu.sh --w4a16`, < 8 min on an H100:
+# Issue 24 stage: lqe-w4a16-mma (csrc/gemm/w4a16_mma.cu). `bash benchmarks/run_gpu.sh --w4a16`, one device call:
 #   1. build the CUDA kernels for this GPU (common.sh),
-#   2. the lqe-w4a16-mma GPU tests (every W4/W8 format, group size, M, stripes, graphs, the layer path),
-#   3. the W4A16 M sweep on the four Llama-3-8B shapes (M = 1 .. 1024): lqe-w4a16-mma and its dequantize +
+#   2. tests: the lqe-w4a16-mma GPU tests (every W4/W8 format, group size, M, stripes, graphs, the layer path, and
+#      a W4A16 model through the engine on the mma table: graphs give the eager tokens),
+#   3. sweep: the W4A16 M sweep on the four Llama-3-8B shapes (M = 1 .. 1024): lqe-w4a16-mma and its dequantize +
 #      cuBLAS beside the layer path lqe-w4a16, torch int4pack, triton-wna16, dequant + cuBLAS and cuBLAS bf16,
-#      with bytes floors; it prints the WNA16_MMA_TABLE the measurement implies,
-# writing $OUTDIR/kernels-w4a16-<gpu>.json and $OUTDIR/w4a16-stage-<gpu>.json (exit codes, seconds).
+#      with bytes floors; it prints the WNA16_MMA_TABLE the measurement implies -> $OUTDIR/kernels-w4a16-<gpu>.json
+#      (kept apart from kernels-<gpu>.json, which the W8A8 stage and run_gpu.sh write; rows saved shape by shape),
+#   4. e2e: the llama3-8b shape, bf16 / w4a16 (dispatch.WNA16_TABLE) / w4a16-mma (the same checkpoint on
+#      dispatch.WNA16_MMA_TABLE), same run, no eager columns, LQE_W4A16_REQUESTS (default 64) requests
+#      -> $OUTDIR/e2e-<gpu>.json. It rarely fits after steps 2-3 in one call: run it alone with
+#      LQE_SKIP="tests sweep" bash benchmarks/run_gpu.sh --w4a16
+# then $OUTDIR/w4a16-stage-<gpu>.json (exit codes, seconds). Time limits (s): LQE_TEST_TIMEOUT (200),
+# LQE_KERNELS_TIMEOUT (280), LQE_E2E_TIMEOUT (400), all cut to the stage budget LQE_BUDGET_S (570).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 t0=$(date +%s)
-rc_tests=1; rc_sweep=1
+rc_tests=-1; rc_sweep=-1; rc_e2e=-1
 if [[ $BUILD_RC -eq 0 ]]; then
-  LQE_TEST_TIMEOUT=${LQE_TEST_TIMEOUT:-240} run_tests w4a16 tests/gpu/test_gemm_w4a16_mma.py
-  rc_tests=$?
-  echo "== W4A16 M sweep"
-  timeout "${LQE_KERNELS_TIMEOUT:-280}" python benchmarks/kernels.py --w4a16 --m ${LQE_KERNEL_MS:-1 2 4 8 16 32 64 128 256 1024} \
-    --out "$OUTDIR/kernels-w4a16-$SLUG.json" 2>&1 | tee "$LOGDIR/kernels-w4a16.txt" | grep -v "^lqe-\|^cublas\|^torch\|^triton" | tail -40
-  rc_sweep=${PIPESTATUS[0]}
+  if ! skip tests; then
+    LQE_TEST_TIMEOUT=${LQE_TEST_TIMEOUT:-200} run_tests w4a16 tests/gpu/test_gemm_w4a16_mma.py
+    rc_tests=$?
+  fi
+  if ! skip sweep; then
+    echo "== W4A16 M sweep"
+    timeout "$(budget "${LQE_KERNELS_TIMEOUT:-280}")" python benchmarks/kernels.py --w4a16 \
+      --m ${LQE_KERNEL_MS:-1 2 4 8 16 32 64 128 256 1024} --out "$OUTDIR/kernels-w4a16-$SLUG.json" 2>&1 \
+      | tee "$LOGDIR/kernels-w4a16.txt" | grep -v "^lqe-\|^cublas\|^torch\|^triton" | tail -40
+    rc_sweep=${PIPESTATUS[0]}
+  fi
+  if ! skip e2e; then
+    echo "== e2e llama3-8b: bf16, w4a16, w4a16-mma"
+    timeout "$(budget "${LQE_E2E_TIMEOUT:-400}")" python benchmarks/e2e_gpu.py --shapes llama3-8b \
+      --variants bf16,w4a16,w4a16-mma --num-requests "${LQE_W4A16_REQUESTS:-64}" --no-eager --out-dir "$OUTDIR" \
+      > "$LOGDIR/w4a16-e2e.log" 2>&1
+    rc_e2e=$?
+    grep -E "^\[" "$LOGDIR/w4a16-e2e.log"
+  fi
 fi
-python - "$OUTDIR/w4a16-stage-$SLUG.json" "$BUILD_RC" "$rc_tests" "$rc_sweep" "$(( $(date +%s) - t0 ))" <<'PY'
+python - "$OUTDIR/w4a16-stage-$SLUG.json" "$BUILD_RC" "$rc_tests" "$rc_sweep" "$rc_e2e" "$(( $(date +%s) - t0 ))" <<'PY'
 import json, subprocess, sys
-out, b, t, s, secs = sys.argv[1], *map(int, sys.argv[2:])
+out, b, t, s, e, secs = sys.argv[1], *map(int, sys.argv[2:])
 commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or None
-json.dump({"stage": "w4a16", "commit": commit, "build": b, "tests": t, "sweep": s, "seconds": secs}, open(out, "w"), indent=1)
-print(f"== w4a16 stage: build {b}, tests {t}, sweep {s}, {secs} s -> {out}")
+json.dump({"stage": "w4a16", "commit": commit, "build": b, "tests": t, "sweep": s, "e2e": e, "seconds": secs,
+           "note": "exit codes; -1 = not run (LQE_SKIP or the time budget)"}, open(out, "w"), indent=1)
+print(f"== w4a16 stage: build {b}, tests {t}, sweep {s}, e2e {e}, {secs} s -> {out}")
 PY
-exit $(( BUILD_RC || rc_tests || rc_sweep ))
+(( BUILD_RC == 0 )) && (( rc_tests <= 0 )) && (( rc_sweep <= 0 )) && (( rc_e2e <= 0 ))

@@ -29,7 +29,7 @@ WNA16_TABLE: list[tuple[int | None, str]] = [
 # 4-stage cp.async, in-L2 reduction; 64-row problems), on its own weight layout (lqe/kernels/repack_mma.py), with
 # "lqe-w4a16-mma-dequant+cublas" (its dequantize, then cuBLAS) above the crossover. NOT MEASURED YET, so it is
 # not the default: benchmarks/kernels.py times it as the candidate (rows "lqe-w4a16-mma*") and prints the table
-# its measurement implies (--print-wna16-table). To run it in a model before that: LQE_WNA16_TABLE=mma, or put
+# its measurement implies (kernels.py --w4a16). To run it in a model before that: LQE_WNA16_TABLE=mma, or put
 # its rows here. A table naming lqe-w4a16-mma repacks layers into the mma layout, which serves only these two
 # names (a wna16-layout row resolves to its mma counterpart: one copy of the weights per layer).
 WNA16_MMA_TABLE: list[tuple[int | None, str]] = [
