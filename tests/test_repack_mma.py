@@ -66,8 +66,8 @@ def check_exact(cw: CanonicalWeight, dtype: torch.dtype) -> repack_mma.PackedMMA
 
 # Every format x group size (K % g != 0 where K=200 and g=32/64/128) x 4/8 bits x fp16/bf16.
 FORMATS = [("gptq", False, False), ("gptq", True, False), ("gptq", False, True), ("gptq", True, True),
-           ("gptq_v2", True, True), ("awq", False, False), ("awq", True, False), ("ct", False, False),
-           ("ct", True, False), ("ct", False, True)]
+           ("gptq_v2", False, False), ("gptq_v2", True, False), ("gptq_v2", True, True), ("awq", False, False),
+           ("awq", True, False), ("ct", False, False), ("ct", True, False), ("ct", False, True)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -6,9 +6,12 @@
 #      graphs in the same run (host_ms_ratio_vs_eager, gpu_floor_ms): benchmarks/step_host_time.py --device cuda
 #      --paths eager,piecewise -> $OUTDIR/step-host-time-$SLUG.json (smollm2, qwen2.5-0.5b);
 #   3. the 256-request workload rows (throughput_256_tok_s, gpu_busy_256, floor_256_s beside time_256_s) for
-#      bf16 and w4a16 on the qwen2.5-0.5b shape (256 requests) and the llama3-8b shape (LQE_ENGINE_REQUESTS_8B,
-#      default 64 requests: the full 256 take ~160 s per variant at today's 917 tok/s, which with the 8B checkpoint
-#      build and its RTN quantization does not fit 8 minutes; set it to 256 once throughput is up)
+#      bf16 and w4a16 on the qwen2.5-0.5b shape (step "e2e") and on the llama3-8b shape (step "e2e8b":
+#      LQE_ENGINE_8B_VARIANTS, default bf16,w4a16; LQE_ENGINE_REQUESTS_8B, default 256; one e2e_gpu.py run per mode
+#      in LQE_ENGINE_8B_MODES, default "FULL_AND_PIECEWISE FULL_DECODE_ONLY"). At the last measured 917 tok/s the 256
+#      requests take ~160 s per variant, so each 8B mode is a device call of its own:
+#        LQE_SKIP="tests host prefill e2e" LQE_ENGINE_8B_MODES=FULL_AND_PIECEWISE bash benchmarks/run_gpu.sh --engine
+#        LQE_SKIP="tests host prefill e2e" LQE_ENGINE_8B_MODES=FULL_DECODE_ONLY bash benchmarks/run_gpu.sh --engine
 #      -> $OUTDIR/e2e-$SLUG.json (rows of other shapes/variants there are kept);
 #      Each row twice: the default cudagraph_mode (FULL_DECODE_ONLY: mixed steps eager) and FULL_AND_PIECEWISE
 #      (variant "<variant>+piecewise"), in the same run, so the piecewise gain is a same-run ratio;
@@ -19,7 +22,7 @@
 # Steps (LQE_SKIP names): tests, host (2), prefill (5), e2e (3, qwen2.5-0.5b), e2e8b (3, llama3-8b), async (4). Every
 # timeout is cut to the stage budget LQE_BUDGET_S (570 s); a step with under 30 s left is skipped and says so. The
 # steps' own limits add up to more than one call: a second call runs what the first skipped, e.g.
-# LQE_SKIP="tests host prefill e2e" bash benchmarks/run_gpu.sh --engine   (the llama3-8b rows alone)
+# LQE_SKIP="tests host prefill e2e8b" bash benchmarks/run_gpu.sh --engine   (everything but the llama3-8b rows)
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 rc=0
 if ! skip tests; then run_tests engine tests/gpu/test_cuda_graphs.py tests/gpu/test_piecewise_gpu.py || rc=1; fi
@@ -40,9 +43,11 @@ if ! skip e2e; then
   done
 fi
 if ! skip e2e8b; then
-  for mode in FULL_DECODE_ONLY FULL_AND_PIECEWISE; do
-    timeout "$(budget "${LQE_ENGINE_8B_TIMEOUT:-200}")" python benchmarks/e2e_gpu.py --shapes llama3-8b --variants bf16 \
-      --no-eager --num-requests "${LQE_ENGINE_REQUESTS_8B:-64}" --cudagraph-mode $mode --out-dir "$OUTDIR" || rc=1
+  for mode in ${LQE_ENGINE_8B_MODES:-FULL_AND_PIECEWISE FULL_DECODE_ONLY}; do
+    skip "e2e8b-$mode" && continue
+    timeout "$(budget "${LQE_ENGINE_8B_TIMEOUT:-540}")" python benchmarks/e2e_gpu.py --shapes llama3-8b \
+      --variants "${LQE_ENGINE_8B_VARIANTS:-bf16,w4a16}" --no-eager --num-requests "${LQE_ENGINE_REQUESTS_8B:-256}" \
+      --cudagraph-mode $mode --out-dir "$OUTDIR" || rc=1
   done
 fi
 if [ "${LQE_ENGINE_ASYNC:-0}" = 1 ] && ! skip async; then  # opt-in: async scheduling beside the rows above

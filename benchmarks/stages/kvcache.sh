@@ -3,20 +3,21 @@
 #   1. build the CUDA kernels (common.sh),
 #   2. the GPU tests of the Triton paged attention over fp8 caches (store bytes == the torch reference, prefill /
 #      split-K decode / mixed batches vs the reference, scales read at replay time by a CUDA graph), and the bf16
-#      attention tests beside them (~1 min),
+#      attention tests beside them, and the engine with an fp8 cache (tests/gpu/test_kv_cache_fp8_engine.py: graphs
+#      and piecewise graphs give the eager tokens, prefix caching, preemption, the block count) (~1-2 min),
 #   3. decode at 4k-token contexts, batch 64, on the llama3-8b shape (random bf16 weights, written once into
 #      $LQE_CACHE_DIR/lqe-bench-models): bf16, fp8 KV (keys rotated, the default) and fp8-plain (no rotation: its
 #      cost) in the same run, tok/s with the byte floor, and the allocator's blocks / concurrent sequences at
 #      gpu_memory_utilization 0.9 -> $OUTDIR/kvcache-$SLUG.json (~5 min; LQE_KV_ARGS="--variants auto,fp8" ~4).
-# Time limits (s): LQE_TEST_TIMEOUT (120), LQE_KV_TIMEOUT (420), cut to the stage budget LQE_BUDGET_S (570).
+# Time limits (s): LQE_TEST_TIMEOUT (150), LQE_KV_TIMEOUT (420), cut to the stage budget LQE_BUDGET_S (570).
 # LQE_SKIP="tests bench" skips steps.
 # LQE_KV_ARGS replaces the benchmark's arguments (e.g. "--shape smollm2-135m" for a quick check).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 rc=0
 
 if ! skip tests; then
-  LQE_TEST_TIMEOUT=${LQE_TEST_TIMEOUT:-120} run_tests kvcache tests/gpu/test_triton_attention_fp8.py \
-    tests/gpu/test_triton_attention.py || rc=1
+  LQE_TEST_TIMEOUT=${LQE_TEST_TIMEOUT:-150} run_tests kvcache tests/gpu/test_triton_attention_fp8.py \
+    tests/gpu/test_triton_attention.py tests/gpu/test_kv_cache_fp8_engine.py || rc=1
 fi
 
 if ! skip bench; then

@@ -11,14 +11,14 @@
 #      dispatch.WNA16_MMA_TABLE), same run, no eager columns, LQE_W4A16_REQUESTS (default 64) requests
 #      -> $OUTDIR/e2e-<gpu>.json. It rarely fits after steps 2-3 in one call: run it alone with
 #      LQE_SKIP="tests sweep" bash benchmarks/run_gpu.sh --w4a16
-# then $OUTDIR/w4a16-stage-<gpu>.json (exit codes, seconds). Time limits (s): LQE_TEST_TIMEOUT (200),
+# then $OUTDIR/w4a16-stage-<gpu>.json (exit codes, seconds). Time limits (s): LQE_TEST_TIMEOUT (240),
 # LQE_KERNELS_TIMEOUT (280), LQE_E2E_TIMEOUT (400), all cut to the stage budget LQE_BUDGET_S (570).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 t0=$(date +%s)
 rc_tests=-1; rc_sweep=-1; rc_e2e=-1
 if [[ $BUILD_RC -eq 0 ]]; then
   if ! skip tests; then
-    LQE_TEST_TIMEOUT=${LQE_TEST_TIMEOUT:-200} run_tests w4a16 tests/gpu/test_gemm_w4a16_mma.py
+    LQE_TEST_TIMEOUT=${LQE_TEST_TIMEOUT:-240} run_tests w4a16 tests/gpu/test_gemm_w4a16_mma.py tests/gpu/test_w4a16_mma_models.py
     rc_tests=$?
   fi
   if ! skip sweep; then

@@ -20,7 +20,8 @@ DTYPES = [torch.float16, torch.bfloat16]
 # (asym, no act-order), compressed-tensors (sym / asym) all arrive as these CanonicalWeight kinds.
 KINDS = [("gptq-sym", 4, 128, False, False), ("gptq-asym", 4, 128, True, False), ("gptq-act-order", 4, 128, False, True),
          ("gptq-asym-act-order", 4, 32, True, True), ("awq", 4, 64, True, False), ("ct-channel", 4, -1, False, False),
-         ("w8-sym", 8, 128, False, False), ("w8-asym-act-order", 8, 64, True, True), ("w8-channel", 8, -1, True, False)]
+         ("w8-sym", 8, 128, False, False), ("w8-asym-act-order", 8, 64, True, True), ("w8-channel", 8, -1, True, False),
+         ("w8-asym-g32", 8, 32, True, False)]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -48,18 +48,25 @@ def _run(model_dir: str, eager: bool, **kw):
     batched = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     info = {"kv_dtype": runner.kv_cache.dtype, "backend": runner.attention_backend, "blocks": runner.num_blocks,
             "scales": [(float(m.k_scale), float(m.v_scale)) for m in runner.model.modules() if hasattr(m, "k_scale")],
-            "preemptions": llm.llm_engine.scheduler.num_preemptions, "hits": llm.llm_engine.block_manager.hits}
+            "preemptions": llm.llm_engine.scheduler.num_preemptions, "hits": llm.llm_engine.block_manager.hits,
+            "paths": dict(runner.steps_by_path)}
     del llm, runner
     release_memory()
     return alone, batched, info
 
 
-@pytest.mark.parametrize("case", ["scheme", "first-prefill"])
+@pytest.mark.parametrize("case", ["scheme", "first-prefill", "first-prefill-piecewise"])
 def test_fp8_graphs_equal_eager(dirs, case):
+    """``first-prefill-piecewise``: mixed and prefill steps replay piecewise graphs too; the step that computes the
+    scales runs eagerly, and the graphs captured before it read the scales it wrote."""
     kw = dict(num_kv_blocks=20) if case == "scheme" else dict(num_kv_blocks=20, kv_cache_dtype="fp8")
+    if case.endswith("piecewise"):
+        kw["cudagraph_mode"] = "FULL_AND_PIECEWISE"
     model = dirs["scheme" if case == "scheme" else "plain"]
     g_alone, g_batched, g = _run(model, eager=False, **kw)
     e_alone, e_batched, e = _run(model, eager=True, **kw)
+    if case.endswith("piecewise"):
+        assert g["paths"]["piecewise"] > 0 and g["paths"]["decode_graph"] > 0, g["paths"]
     assert g["kv_dtype"] == e["kv_dtype"] == torch.float8_e4m3fn and g["backend"] in ("triton", "flash_attn")
     assert g["scales"] == e["scales"] and all(k != 1.0 and v != 1.0 for k, v in g["scales"])
     for i, (a, b) in enumerate(zip(e_alone, g_alone)):

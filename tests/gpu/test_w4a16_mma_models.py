@@ -1,0 +1,55 @@
+"""GPU: the weight-only checkpoint formats of the model matrix through the engine on ``dispatch.WNA16_MMA_TABLE``
+(``LQE_WNA16_TABLE=mma``: lqe-w4a16-mma, issue 24): every quantized layer runs the mma kernel (K that no 64-group
+divides included: it pads K), the prompt logprobs are as close to the CPU fp32 reference as the torch path's, and
+CUDA-graph decode gives the eager tokens (each request alone token for token; batched by the matrix's near-tie
+rule). The kernel itself is tested against its CPU emulation in test_gemm_w4a16_mma.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+import test_cuda_graphs  # noqa: E402
+from test_model_matrix import (BOUND, DTYPES, FORMATS, SLACK, build_checkpoints, check_same_greedy,  # noqa: E402
+                               cpu_reference, prompt_logprobs)
+
+# every 4- and 8-bit weight-only format (the 3-bit one has no lqe kernel)
+NAMES = [n for n, f in FORMATS.items() if f.family == "weight" and "3bit" not in n]
+GRAPH_NAMES = ["gptq-v2-asym-g128-actorder", "awq-zp-g128", "gptq-8bit-v2-asym-g32-actorder", "gptq-v2-asym-g64-odd-k"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    return build_checkpoints(str(tmp_path_factory.mktemp("mma-matrix")), NAMES)
+
+
+@pytest.fixture(autouse=True)
+def mma_table(monkeypatch):
+    monkeypatch.setenv("LQE_WNA16_TABLE", "mma")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", NAMES)
+def test_format_on_mma_matches_cpu_fp32(name, dtype, checkpoints, monkeypatch):
+    want = cpu_reference(checkpoints[name])
+    got, paths = prompt_logprobs(checkpoints[name], "cuda", dtype)
+    assert paths and all("lqe-w4a16-mma (" in p for p in paths), paths
+    with monkeypatch.context() as m:
+        m.setenv("LQE_DISABLE_CUDA_KERNELS", "1")
+        torch_path, _ = prompt_logprobs(checkpoints[name], "cuda", dtype)
+    err, err_torch = (got - want).abs().max().item(), (torch_path - want).abs().max().item()
+    assert torch.isfinite(got).all() and (got <= 0).all(), got
+    assert err <= 2 * err_torch + SLACK["weight"], (err, err_torch)
+    assert err < BOUND[dtype, "weight"], err
+
+
+@pytest.mark.parametrize("name", GRAPH_NAMES)
+def test_mma_graphs_equal_eager(name, checkpoints):
+    g_alone, g_batched, g = test_cuda_graphs._run(checkpoints[name], eager=False)
+    e_alone, e_batched, e = test_cuda_graphs._run(checkpoints[name], eager=True)
+    for i, (a, b) in enumerate(zip(e_alone, g_alone)):
+        assert list(a.token_ids) == list(b.token_ids), f"request {i} alone: graphs {b.token_ids} != eager {a.token_ids}"
+    counts = check_same_greedy(e_batched, g_batched, *test_cuda_graphs.TOL["weight"])
+    assert counts["exact"] >= len(e_batched) // 2, counts
+    assert {1, 2, 4} <= set(g["replays"]) and g["preemptions"] > 0, (sorted(set(g["replays"])), g["preemptions"])
