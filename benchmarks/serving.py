@@ -58,7 +58,10 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
                     return res
                 if chunk.get("usage"):
                     res.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                # every chunk with a choice carries new tokens (the server sends one only then, and a request
+                # finishes on a token), but its text may be empty: a checkpoint without a tokenizer (as on the GPU
+                # machines), text held back for a stop string. Only the usage chunk has no choice.
+                if chunk.get("choices"):
                     now = time.perf_counter()
                     if res.ttft == 0.0:
                         res.ttft = now - t0

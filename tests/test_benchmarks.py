@@ -209,3 +209,21 @@ def test_step_host_time_runs_on_cpu(tmp_path):
     assert row["steps_by_path"] == {"decode_graph": 0, "piecewise": 0, "eager": 2}
     assert row["sample_ms"] > 0 and row["forward_ms"] > row["attention_ms"] > 0 and row["schedule_ms"] > 0
     assert row["host_ms_per_step"] >= row["forward_ms"] + row["sample_ms"] and row["ops_per_step"] > 100
+
+
+def test_serving_benchmark_against_a_tokenizerless_server(tmp_path):
+    """benchmarks/serving.py starts ``lqe serve`` and measures TTFT / TPOT; on a checkpoint without a tokenizer (the
+    GPU machines have none) every streamed chunk has empty text, and it once counted no token at all."""
+    import serving
+
+    from helpers import build_tiny_model
+
+    model = build_tiny_model(str(tmp_path / "model"), tokenizer=False)
+    out = tmp_path / "serving.json"
+    serving.main(["--model", model, "--num-prompts", "4", "--input-len", "12", "--output-len", "5",
+                  "--max-token-id", "250", "--out", str(out), "--startup-timeout", "120",
+                  "--server-args", "--kv-cache-memory-bytes", str(16 << 20), "--max-model-len", "64"])
+    rep = json.loads(out.read_text())
+    assert rep["completed"] == 4 and rep["failed"] == 0, rep["errors"]
+    assert all(r["output_tokens"] == 5 and len(r["itl"]) == 4 for r in rep["requests"])
+    assert 0 < rep["ttft_ms"]["p50"] <= rep["e2e_ms"]["p50"] and rep["tpot_ms"]["p99"] > 0

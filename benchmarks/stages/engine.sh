@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 26 (engine throughput): `bash benchmarks/run_gpu.sh --engine`. Under 8 minutes on an H100:
+# Issue 26 (engine throughput): `bash benchmarks/run_gpu.sh --engine`, three device calls on an H100:
 #   1. the CUDA-graph GPU tests (tests/gpu/test_cuda_graphs.py, tests/gpu/test_piecewise_gpu.py: piecewise graphs of
 #      mixed steps == eager, float and W4A16, no hidden host sync);
 #   2. host ms per mixed step (32 decodes + a 224-token prefill), per phase, real widths, eager beside piecewise
@@ -10,8 +10,8 @@
 #      LQE_ENGINE_8B_VARIANTS, default bf16,w4a16; LQE_ENGINE_REQUESTS_8B, default 256; one e2e_gpu.py run per mode
 #      in LQE_ENGINE_8B_MODES, default "FULL_AND_PIECEWISE FULL_DECODE_ONLY"). At the last measured 917 tok/s the 256
 #      requests take ~160 s per variant, so each 8B mode is a device call of its own:
-#        LQE_SKIP="tests host prefill e2e" LQE_ENGINE_8B_MODES=FULL_AND_PIECEWISE bash benchmarks/run_gpu.sh --engine
-#        LQE_SKIP="tests host prefill e2e" LQE_ENGINE_8B_MODES=FULL_DECODE_ONLY bash benchmarks/run_gpu.sh --engine
+#        LQE_SKIP="tests host prefill e2e serving" LQE_ENGINE_8B_MODES=FULL_AND_PIECEWISE bash benchmarks/run_gpu.sh --engine
+#        LQE_SKIP="tests host prefill e2e serving" LQE_ENGINE_8B_MODES=FULL_DECODE_ONLY bash benchmarks/run_gpu.sh --engine
 #      -> $OUTDIR/e2e-$SLUG.json (rows of other shapes/variants there are kept);
 #      Each row twice: the default cudagraph_mode (FULL_DECODE_ONLY: mixed steps eager) and FULL_AND_PIECEWISE
 #      (variant "<variant>+piecewise"), in the same run, so the piecewise gain is a same-run ratio;
@@ -19,10 +19,12 @@
 #   5. Triton attention of a mixed step (255 decodes + a 512-token prefill, llama3-8b heads, 1k contexts): the old
 #      dense prefill grid vs the tile map (+ GQA packing), same run, floor beside (benchmarks/prefill_attention.py
 #      -> $OUTDIR/prefill-attention-$SLUG.json), after its mixed-step GPU tests (tests/gpu/test_triton_attention.py).
-# Steps (LQE_SKIP names): tests, host (2), prefill (5), e2e (3, qwen2.5-0.5b), e2e8b (3, llama3-8b), async (4). Every
-# timeout is cut to the stage budget LQE_BUDGET_S (570 s); a step with under 30 s left is skipped and says so. The
-# steps' own limits add up to more than one call: a second call runs what the first skipped, e.g.
-# LQE_SKIP="tests host prefill e2e8b" bash benchmarks/run_gpu.sh --engine   (everything but the llama3-8b rows)
+#   6. serving latency through `lqe serve` on the qwen2.5-0.5b shape: 256 requests of 512 + 128 tokens at 16
+#      requests/s and all at once, TTFT / ITL / TPOT mean, p50, p90, p99 (benchmarks/serving.py)
+#      -> $OUTDIR/serving-$SLUG-rate-<rate>.json.
+# Steps (LQE_SKIP names): tests, host (2), prefill (5), e2e (3, qwen2.5-0.5b), serving (6), e2e8b (3, llama3-8b),
+# async (4). Every timeout is cut to the stage budget LQE_BUDGET_S (570 s); a step with under 30 s left is skipped
+# and says so. The first call: LQE_SKIP=e2e8b bash benchmarks/run_gpu.sh --engine; then the two 8B calls above.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 rc=0
 if ! skip tests; then run_tests engine tests/gpu/test_cuda_graphs.py tests/gpu/test_piecewise_gpu.py || rc=1; fi
@@ -40,6 +42,16 @@ if ! skip e2e; then
   for mode in FULL_DECODE_ONLY FULL_AND_PIECEWISE; do
     timeout "$(budget "${LQE_ENGINE_E2E_TIMEOUT:-150}")" python benchmarks/e2e_gpu.py --shapes qwen2.5-0.5b \
       --variants bf16,w4a16 --no-eager --num-requests 256 --cudagraph-mode $mode --out-dir "$OUTDIR" || rc=1
+  done
+fi
+if ! skip serving; then  # TTFT / TPOT p50 / p99 through `lqe serve` (the qwen2.5-0.5b checkpoint of step "e2e")
+  model=$(python -c "import os, sys, tempfile; from pathlib import Path; sys.path.insert(0, 'benchmarks'); import e2e_gpu
+w = Path(os.environ.get('LQE_BENCH_DIR', Path(tempfile.gettempdir()) / 'lqe-e2e-models'))
+print(e2e_gpu.build_random_model('qwen2.5-0.5b', w / 'qwen2.5-0.5b' / 'bf16', 0))" | tail -1)
+  for rate in 16 inf; do
+    timeout "$(budget 120)" python benchmarks/serving.py --model "$model" --num-prompts 256 --request-rate $rate \
+      --input-len 512 --output-len 128 --max-token-id 150000 --out "$OUTDIR/serving-$SLUG-rate-$rate.json" \
+      | grep -A8 "^== serving" || rc=1
   done
 fi
 if ! skip e2e8b; then
