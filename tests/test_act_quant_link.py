@@ -129,6 +129,7 @@ def _want(schemes: list[str | None]) -> dict[str, str]:
 
 @pytest.mark.parametrize("name,schemes,path", [
     ("fp8-channel", ["fp8-per-token"] * 3, "torch._scaled_mm"),
+    ("fp8-static", ["fp8-static"] * 3, "torch._scaled_mm"),
     ("fp8-block", ["fp8-per-group(128)"] * 3, "triton-fp8-block"),
     ("mixed", ["fp8-per-token", "int8-per-token-sym", None], "torch._scaled_mm"),
 ])
@@ -155,12 +156,29 @@ def test_fp8_pairs_linked_and_no_bit_changes(name, schemes, path, checkpoints, f
     assert fused[0] == unfused[0] and torch.equal(fused[1], unfused[1]), (fused, unfused)
 
 
-def test_static_fp8_and_cpu_fp8_link_nothing(checkpoints, fake_fp8_gpu, monkeypatch):
+def test_static_fp8_producers_serve_their_own_consumer(checkpoints, fake_fp8_gpu, monkeypatch):
+    """A static fp8 consumer offers its own input_scale buffer: the producer quantizes with that tensor (read on the
+    device, not a value copied at link time), and a QuantizedActivation made with another scale is refused."""
+    from lqe.quant_layers.quantized_activation import FP8_STATIC, ActQuant
+
     llm = _load(checkpoints["fp8-static"], monkeypatch, True, "bfloat16")
-    layer = llm.llm_engine.runner.model.model.layers[0].self_attn.qkv_proj
+    model = llm.llm_engine.runner.model
+    attn = model.model.layers[0]
+    layer = attn.self_attn.qkv_proj
     assert "static per-tensor" in layer.quant_method.describe(layer)
-    assert llm.llm_engine.runner.fused_act_quant == [] and not any(_producers(llm.llm_engine.runner.model).values())
-    monkeypatch.undo()  # no FP8 GPU: the weight-only dequant path takes float input only
+    spec = attn.input_layernorm.output_quant
+    assert spec.scheme == FP8_STATIC and spec.scale is layer.fp8_in_scale
+    x = torch.randn(3, layer.fp8_weight.shape[1], dtype=torch.bfloat16)
+    other = ActQuant(FP8_STATIC, scale=layer.fp8_in_scale.clone())
+    qa = other.rms_norm(x, attn.input_layernorm.weight, 1e-6)
+    with pytest.raises(ValueError, match="fp8-static"):
+        layer.quant_method.apply(layer, qa)
+    with pytest.raises(ValueError, match="zero point"):
+        ActQuant(FP8_STATIC, scale=layer.fp8_in_scale, zero_point=torch.zeros(1, dtype=torch.int32))
+    del llm, model
+
+
+def test_cpu_fp8_links_nothing(checkpoints, monkeypatch):
     llm = _load(checkpoints["fp8-channel"], monkeypatch, True, "bfloat16")
     assert llm.llm_engine.runner.fused_act_quant == []
 

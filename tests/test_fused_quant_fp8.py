@@ -24,6 +24,10 @@ SCRIPT = """
             F.check_rms_norm_quant_fp8(5, 160, dt, "cpu", residual=False, group=group)
             F.check_silu_mul_quant_fp8(5, 224, dt, "cpu", group=group)
             F.check_silu_mul_quant_fp8(3, 320, dt, "cpu", group=group, chunk=128)  # several chunks, ragged last one
+        F.check_rms_norm_quant_fp8(7, 256, dt, "cpu", residual=True, static=True)
+        F.check_rms_norm_quant_fp8(5, 160, dt, "cpu", residual=False, static=True)
+        F.check_silu_mul_quant_fp8(5, 224, dt, "cpu", static=True)
+        F.check_silu_mul_quant_fp8(3, 320, dt, "cpu", chunk=128, static=True)
     F.check_matches_layer_quantizer("cpu")
     print("FUSED-FP8-INTERPRET-OK")
 """
@@ -47,3 +51,7 @@ def test_group_reference_and_bad_groups():
         fq.silu_mul_quant_fp8(torch.randn(2, 200), group=128)
     with pytest.raises(ValueError, match="group"):
         fq.rms_norm_quant_fp8(torch.randn(2, 192), torch.ones(192), 1e-6, group=96)
+    with pytest.raises(ValueError, match="static fp8"):
+        fq.silu_mul_quant_fp8(torch.randn(2, 256), group=128, scale=torch.tensor([0.1]))
+    with pytest.raises(ValueError, match="static fp8"):
+        fq.rms_norm_quant_fp8(torch.randn(2, 128), torch.ones(128), 1e-6, scale=torch.tensor([0.1, 0.2]))

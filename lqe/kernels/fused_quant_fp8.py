@@ -4,6 +4,10 @@ of columns (G = 128: the activation side of 128 x 128 block-scaled fp8 checkpoin
 * ``rms_norm_quant_fp8(x, weight, eps, residual=None, group=0) -> (q fp8 [..., K], scale fp32 [..., 1 | K/G], residual)``
 * ``silu_mul_quant_fp8(x [..., 2I], group=0) -> (q fp8 [..., I], scale fp32 [..., 1 | I/G])``
 
+With ``scale=`` (the consumer's static per-tensor fp32 ``[1]`` scale, read on the device) both quantize with it
+instead, as :func:`lqe.kernels.w8a8.fp8_quantize_static` does: ``q = rne_e4m3(clamp(y / scale, -448, 448))``, no
+reduction; the returned scale is that same tensor.
+
 Contract: EXACTLY the bits of the unfused path: the float activation rounded to the activation dtype as
 :func:`lqe.kernels.fused_ops.rms_norm` / :func:`~lqe.kernels.fused_ops.silu_and_mul` produce it (same row code, same
 launch), then :func:`quant_fp8_ref` (what :func:`lqe.kernels.w8a8.fp8_quantize_per_token` computes):
@@ -43,28 +47,39 @@ def quant_fp8_ref(y: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, torch.
     return q.reshape(m, k), scale.reshape(m, k // g)
 
 
-def _quant_rows(y: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_fp8_static_ref(y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Reference static fp8 quantization with one fp32 scale (:func:`lqe.kernels.w8a8.fp8_quantize_static`'s codes)."""
+    return (y.float() / scale.float().reshape(1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def _quant_rows(y: torch.Tensor, group: int, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if scale is not None:
+        return quant_fp8_static_ref(y, scale), scale
     q, s = quant_fp8_ref(y.reshape(-1, y.shape[-1]), group)
     return q.view(y.shape), s.view(*y.shape[:-1], s.shape[-1])
 
 
-def rms_norm_quant_fp8_torch(x, weight, eps, residual=None, group=0):
+def rms_norm_quant_fp8_torch(x, weight, eps, residual=None, group=0, scale=None):
     out = rms_norm_torch(x, weight, eps, residual)
     y, new_residual = out if residual is not None else (out, None)
-    return (*_quant_rows(y, group), new_residual)
+    return (*_quant_rows(y, group, scale), new_residual)
 
 
-def silu_mul_quant_fp8_torch(x, group=0):
-    return _quant_rows(silu_and_mul_torch(x), group)
+def silu_mul_quant_fp8_torch(x, group=0, scale=None):
+    return _quant_rows(silu_and_mul_torch(x), group, scale)
 
 
 # ------------------------------------------------------------------------------------------------ kernels
 if HAS_TRITON:
     @triton.jit
     def _fp8_store(y, Q, S, row, stride_q, stride_s, cols, mask, n, GROUP: tl.constexpr, BLOCK: tl.constexpr,
-                   group_base):
-        """Quantize fp32 ``y [BLOCK]`` (masked lanes 0) per row (GROUP == 0) or per GROUP columns and store."""
-        if GROUP == 0:
+                   group_base, SS, STATIC: tl.constexpr):
+        """Quantize fp32 ``y [BLOCK]`` (masked lanes 0) per row (GROUP == 0), per GROUP columns, or with the static
+        scale at ``SS`` (STATIC), and store the codes (and the group scales)."""
+        if STATIC:
+            scale = tl.load(SS)
+            v = tl.div_rn(y, scale)
+        elif GROUP == 0:
             absmax = tl.maximum(tl.max(tl.abs(y), 0), 1e-12)
             scale = tl.div_rn(absmax, 448.0)
             v = tl.div_rn(y, scale)
@@ -80,20 +95,21 @@ if HAS_TRITON:
         return scale
 
     @triton.jit
-    def _rms_norm_quant_fp8_kernel(X, R, W, Q, S, ROut, stride_x, stride_r, stride_q, stride_s, stride_ro, n, eps,
-                                   HAS_RESIDUAL: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_quant_fp8_kernel(X, R, W, Q, S, ROut, stride_x, stride_r, stride_q, stride_s, stride_ro, n, eps, SS,
+                                   HAS_RESIDUAL: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+                                   STATIC: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < n
         y = _rms_norm_row(X, R, W, ROut, row, stride_x, stride_r, stride_ro, n, eps, offs, mask, HAS_RESIDUAL)
         y = y.to(X.dtype.element_ty).to(tl.float32)  # the activation rms_norm would have written
-        scale = _fp8_store(y, Q, S, row, stride_q, stride_s, offs, mask, n, GROUP, BLOCK, 0)
-        if GROUP == 0:
+        scale = _fp8_store(y, Q, S, row, stride_q, stride_s, offs, mask, n, GROUP, BLOCK, 0, SS, STATIC)
+        if GROUP == 0 and not STATIC:
             tl.store(S + row * stride_s, scale)
 
     @triton.jit
-    def _silu_mul_quant_fp8_kernel(X, Q, S, stride_x, stride_q, stride_s, n, GROUP: tl.constexpr,
-                                   CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr):
+    def _silu_mul_quant_fp8_kernel(X, Q, S, stride_x, stride_q, stride_s, n, SS, GROUP: tl.constexpr,
+                                   CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, STATIC: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, CHUNK)
         if GROUP != 0:  # groups never straddle chunks (CHUNK % GROUP == 0): one pass
@@ -101,11 +117,18 @@ if HAS_TRITON:
                 cols = c * CHUNK + offs
                 mask = cols < n
                 y = _silu_and_mul_row(X, row, stride_x, n, cols, mask).to(X.dtype.element_ty).to(tl.float32)
-                _fp8_store(y, Q, S, row, stride_q, stride_s, cols, mask, n, GROUP, CHUNK, c * (CHUNK // GROUP))
+                _fp8_store(y, Q, S, row, stride_q, stride_s, cols, mask, n, GROUP, CHUNK, c * (CHUNK // GROUP), SS,
+                           STATIC)
+        elif STATIC:  # the scale is known before the row: one pass, no reduction
+            for c in range(NUM_CHUNKS):
+                cols = c * CHUNK + offs
+                mask = cols < n
+                y = _silu_and_mul_row(X, row, stride_x, n, cols, mask).to(X.dtype.element_ty).to(tl.float32)
+                _fp8_store(y, Q, S, row, stride_q, stride_s, cols, mask, n, GROUP, CHUNK, 0, SS, STATIC)
         elif NUM_CHUNKS == 1:
             mask = offs < n
             y = _silu_and_mul_row(X, row, stride_x, n, offs, mask).to(X.dtype.element_ty).to(tl.float32)
-            scale = _fp8_store(y, Q, S, row, stride_q, stride_s, offs, mask, n, GROUP, CHUNK, 0)
+            scale = _fp8_store(y, Q, S, row, stride_q, stride_s, offs, mask, n, GROUP, CHUNK, 0, SS, STATIC)
             tl.store(S + row * stride_s, scale)
         else:
             absmax = tl.zeros([CHUNK], dtype=tl.float32)
@@ -123,46 +146,56 @@ if HAS_TRITON:
 
 
 # ------------------------------------------------------------------------------------------------ public ops
-def _check_group(n: int, group: int) -> None:
+def _check_group(n: int, group: int, scale: torch.Tensor | None = None) -> None:
     if group not in (0,) and (group & (group - 1) or n % group):
         raise ValueError(f"fp8 group quantization needs a power-of-two group dividing K; got group={group}, K={n}")
+    if scale is not None and (group or scale.numel() != 1):
+        raise ValueError(f"static fp8 quantization takes one per-tensor scale and no group; got a scale of "
+                         f"{scale.numel()} values and group={group}")
 
 
 def rms_norm_quant_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-                       group: int = 0, use_triton: bool | None = None):
-    """``(q fp8, scale fp32 [..., 1 or K/group], new residual or None)`` of ``rms_norm(x, weight, eps, residual)``."""
+                       group: int = 0, use_triton: bool | None = None, scale: torch.Tensor | None = None):
+    """``(q fp8, scale fp32 [..., 1 or K/group], new residual or None)`` of ``rms_norm(x, weight, eps, residual)``;
+    with a static ``scale`` (fp32 ``[1]``) the codes use it and it is the scale returned."""
     n = x.shape[-1]
-    _check_group(n, group)
+    _check_group(n, group, scale)
     if not _triton_ok(x, use_triton) or x.numel() == 0:
-        return rms_norm_quant_fp8_torch(x, weight, eps, residual, group)
+        return rms_norm_quant_fp8_torch(x, weight, eps, residual, group, scale)
     shape = x.shape
     x2 = _rows(x, "x")
     m = x2.shape[0]
     ns = 1 if group == 0 else n // group
     q = torch.empty(x2.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(m, ns, dtype=torch.float32, device=x.device)
+    out_scale = torch.empty(m, ns, dtype=torch.float32, device=x.device) if scale is None else scale
     r2 = _rows(residual, "residual") if residual is not None else x2
     r_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if residual is not None else x2
     block, warps = rms_norm_launch(n)
     _rms_norm_quant_fp8_kernel[(m,)](
-        x2, r2, weight, q, scale, r_out, x2.stride(0), r2.stride(0), q.stride(0), scale.stride(0), r_out.stride(0), n,
-        float(eps), HAS_RESIDUAL=residual is not None, GROUP=group, BLOCK=block, num_warps=warps)
-    return q.view(shape), scale.view(*shape[:-1], ns), (r_out.view(shape) if residual is not None else None)
+        x2, r2, weight, q, out_scale, r_out, x2.stride(0), r2.stride(0), q.stride(0), out_scale.stride(0) if scale is
+        None else 0, r_out.stride(0), n, float(eps), out_scale, HAS_RESIDUAL=residual is not None, GROUP=group,
+        BLOCK=block, STATIC=scale is not None, num_warps=warps)
+    r = r_out.view(shape) if residual is not None else None
+    return (q.view(shape), scale, r) if scale is not None else (q.view(shape), out_scale.view(*shape[:-1], ns), r)
 
 
-def silu_mul_quant_fp8(x: torch.Tensor, group: int = 0, use_triton: bool | None = None, chunk: int | None = None):
-    """``(q fp8 [..., I], scale fp32 [..., 1 or I/group])`` of ``silu_and_mul(x)`` for ``x [..., 2I]``."""
+def silu_mul_quant_fp8(x: torch.Tensor, group: int = 0, use_triton: bool | None = None, chunk: int | None = None,
+                       scale: torch.Tensor | None = None):
+    """``(q fp8 [..., I], scale fp32 [..., 1 or I/group])`` of ``silu_and_mul(x)`` for ``x [..., 2I]``; with a static
+    ``scale`` (fp32 ``[1]``) the codes use it and it is the scale returned."""
     n = x.shape[-1] // 2
-    _check_group(n, group)
+    _check_group(n, group, scale)
     if not _triton_ok(x, use_triton) or x.numel() == 0:
-        return silu_mul_quant_fp8_torch(x, group)
+        return silu_mul_quant_fp8_torch(x, group, scale)
     x2 = _rows(x, "x")
     m = x2.shape[0]
     ns = 1 if group == 0 else n // group
     q = torch.empty(m, n, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(m, ns, dtype=torch.float32, device=x.device)
+    out_scale = torch.empty(m, ns, dtype=torch.float32, device=x.device) if scale is None else scale
     chunk = max(chunk or min(SILU_CHUNK, triton.next_power_of_2(n)), group)
-    _silu_mul_quant_fp8_kernel[(m,)](x2, q, scale, x2.stride(0), q.stride(0), scale.stride(0), n, GROUP=group,
-                                     CHUNK=chunk, NUM_CHUNKS=triton.cdiv(n, chunk),
-                                     num_warps=min(8, max(1, chunk // 256)))
-    return q.view(*x.shape[:-1], n), scale.view(*x.shape[:-1], ns)
+    _silu_mul_quant_fp8_kernel[(m,)](x2, q, out_scale, x2.stride(0), q.stride(0), out_scale.stride(0) if scale is None
+                                     else 0, n, out_scale, GROUP=group, CHUNK=chunk, NUM_CHUNKS=triton.cdiv(n, chunk),
+                                     STATIC=scale is not None, num_warps=min(8, max(1, chunk // 256)))
+    if scale is not None:
+        return q.view(*x.shape[:-1], n), scale
+    return q.view(*x.shape[:-1], n), out_scale.view(*x.shape[:-1], ns)

@@ -7,10 +7,10 @@ linear layers and nothing else: ``act_quant_pairs`` on the block class, names re
 :func:`link_act_quant` asks each consumer's linear method which pre-quantized input it takes
 (:meth:`~lqe.quant_layers.base.LinearMethod.input_quant`, an :class:`~lqe.quant_layers.quantized_activation.ActQuant`
 or None): W8A8 int8 on the CUDA kernels' path with dynamic per-token (symmetric or asymmetric) or static per-tensor
-activations, FP8 on the FP8 kernels' path with dynamic per-token or, for 128x128 block-scaled weights, per-1x128-group
-activations. When every consumer of a producer takes the same scheme and the producer can emit it, the pass sets
-``producer.output_quant``; otherwise the producer stays float (mixed consumers, a float / weight-only / static-fp8
-consumer, a layer on the torch path). The forward code is the same either way: the producer returns a
+activations, FP8 on the FP8 kernels' path with dynamic per-token or static per-tensor or, for 128x128 block-scaled
+weights, per-1x128-group activations. When every consumer of a producer takes the same scheme and the producer can
+emit it, the pass sets ``producer.output_quant``; otherwise the producer stays float (mixed consumers, a float /
+weight-only consumer, a layer on the torch path). The forward code is the same either way: the producer returns a
 :class:`~lqe.quant_layers.quantized_activation.QuantizedActivation` that the consumer's method takes as its input.
 On CPU (and wherever a producer's tensors are not on CUDA) the producer runs the torch twin of the fused kernel: the
 unfused ops, op for op, so linking changes no bit there either.

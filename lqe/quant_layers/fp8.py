@@ -24,7 +24,7 @@ from torch import nn
 from lqe.quant_layers.base import LinearMethod, empty_param
 from lqe.quant_layers.ct_scheme import CTScheme
 from lqe.quant_layers.loading import FLOAT_DTYPES, add_param, drop_params, is_loaded, require_loaded
-from lqe.quant_layers.quantized_activation import FP8_PER_GROUP, FP8_PER_TOKEN, ActQuant, QuantizedActivation
+from lqe.quant_layers.quantized_activation import FP8_PER_GROUP, FP8_PER_TOKEN, FP8_STATIC, ActQuant, QuantizedActivation
 from lqe.quant_layers.w8a8 import check_quantized_input, per_shard_to_channel
 from lqe.quant_layers.wna16_kernels import cuda_kernels_declined, layer_kind, log_fallback_once
 
@@ -142,12 +142,14 @@ class FP8Method(LinearMethod):
             return f"triton-fp8 unavailable: {type(e).__name__}: {e}"
 
     def input_quant(self, layer: nn.Module) -> ActQuant | None:
-        """Dynamic fp8 activations on the FP8 W8A8 paths, one tensor-parallel rank: per token for ``_scaled_mm`` /
-        the GEMV (not with a static ``input_scale``), per 1 x 128 group for the block-scaled Triton GEMM."""
+        """fp8 activations on the FP8 W8A8 paths, one tensor-parallel rank: per token for ``_scaled_mm`` / the GEMV,
+        or with the layer's static ``input_scale`` (its own buffer, read by the producer on the device), and per
+        1 x 128 group for the block-scaled Triton GEMM."""
         if getattr(layer, "tp_mode", None) is not None:
             return None
-        if getattr(layer, "fp8_w_scale", None) is not None and layer.fp8_in_scale is None:
-            return ActQuant(FP8_PER_TOKEN)
+        if getattr(layer, "fp8_w_scale", None) is not None:
+            return ActQuant(FP8_PER_TOKEN) if layer.fp8_in_scale is None else ActQuant(FP8_STATIC,
+                                                                                       scale=layer.fp8_in_scale)
         if getattr(layer, "fp8_block_scale", None) is not None:
             from lqe.kernels.triton_fp8 import SCALE_BLOCK
 
@@ -174,8 +176,9 @@ class FP8Method(LinearMethod):
             b = None if bias is None else bias.to(dt)
             if getattr(layer, "fp8_block_scale", None) is not None:
                 out = kw.fp8_block_apply_quantized(xq, xs, layer.fp8_weight, layer.fp8_block_scale, b, dt)
-            else:
-                out = kw.fp8_apply(xq, xs.reshape(-1, 1), layer.fp8_weight, layer.fp8_w_scale, b, dt)
+            else:  # a static scale [1] goes per row, as fp8_quantize_static gives it to the unfused path
+                xs = xs.reshape(-1, 1) if xs.numel() == xq.shape[0] else xs.reshape(1, 1).expand(xq.shape[0], 1)
+                out = kw.fp8_apply(xq, xs.contiguous(), layer.fp8_weight, layer.fp8_w_scale, b, dt)
             return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
         if getattr(layer, "fp8_w_scale", None) is not None:
             from lqe.kernels import w8a8 as kw

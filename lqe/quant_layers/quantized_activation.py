@@ -18,14 +18,17 @@ INT8_PER_TOKEN_ASYM = "int8-per-token-asym"  # scale = (max-min)/255, azp = rne(
 INT8_STATIC = "int8-static"  # the consumer's calibrated per-tensor scale (and zero point): q = sat(rne(x/s) + azp)
 FP8_PER_TOKEN = "fp8-per-token"  # e4m3, scale = max(absmax, 1e-12)/448 per row
 FP8_PER_GROUP = "fp8-per-group"  # e4m3 per 1 x group columns (128: the activations of 128x128 block-scaled weights)
-SCHEMES = (INT8_PER_TOKEN_SYM, INT8_PER_TOKEN_ASYM, INT8_STATIC, FP8_PER_TOKEN, FP8_PER_GROUP)
+FP8_STATIC = "fp8-static"  # e4m3 with the consumer's static per-tensor scale (a checkpoint's input_scale)
+SCHEMES = (INT8_PER_TOKEN_SYM, INT8_PER_TOKEN_ASYM, INT8_STATIC, FP8_PER_TOKEN, FP8_PER_GROUP, FP8_STATIC)
+STATIC_SCHEMES = (INT8_STATIC, FP8_STATIC)  # the consumer's own scale, read by the producer on the device
 
 
 @dataclass(frozen=True, eq=False)
 class ActQuant:
     """What a consumer takes pre-quantized: a scheme of :data:`SCHEMES`, the group width of ``FP8_PER_GROUP``, and
-    for ``INT8_STATIC`` the consumer's own fp32 ``[1]`` scale and optional int32 ``[1]`` zero point (its buffers:
-    the producer reads them on the device, so a producer serves exactly the consumer that offered them)."""
+    for ``INT8_STATIC`` / ``FP8_STATIC`` the consumer's own fp32 ``[1]`` scale (and for int8 an optional int32 ``[1]``
+    zero point): its buffers, which the producer reads on the device, so a producer serves exactly the consumer that
+    offered them."""
     scheme: str
     group: int = 0
     scale: torch.Tensor | None = None
@@ -36,8 +39,10 @@ class ActQuant:
             raise ValueError(f"activation quantization scheme {self.scheme!r} is not one of {SCHEMES}")
         if (self.scheme == FP8_PER_GROUP) != (self.group > 0):
             raise ValueError(f"{self.scheme}: group={self.group} (a group width goes with {FP8_PER_GROUP} only)")
-        if (self.scheme == INT8_STATIC) != (self.scale is not None) or (self.zero_point is not None and self.scale is None):
-            raise ValueError(f"{self.scheme}: a scale (and zero point) goes with {INT8_STATIC} only, which needs one")
+        if (self.scheme in STATIC_SCHEMES) != (self.scale is not None) or (
+                self.zero_point is not None and self.scheme != INT8_STATIC):
+            raise ValueError(f"{self.scheme}: a scale goes with {' / '.join(STATIC_SCHEMES)} only, and each of them "
+                             f"needs one; a zero point goes with {INT8_STATIC} only")
 
     def same_as(self, other: "ActQuant | None") -> bool:
         """Whether one producer output serves both (same scheme, group and static values)."""
@@ -59,7 +64,8 @@ class ActQuant:
         if self.scheme.startswith("fp8"):
             from lqe.kernels.fused_quant_fp8 import rms_norm_quant_fp8
 
-            q, scale, residual = rms_norm_quant_fp8(x, weight, eps, residual, self.group, use_triton=x.is_cuda)
+            q, scale, residual = rms_norm_quant_fp8(x, weight, eps, residual, self.group, use_triton=x.is_cuda,
+                                                    scale=self.scale)
             azp = None
         else:
             from lqe.kernels.fused_quant import rms_norm_quant_int8_any
@@ -74,7 +80,7 @@ class ActQuant:
         if self.scheme.startswith("fp8"):
             from lqe.kernels.fused_quant_fp8 import silu_mul_quant_fp8
 
-            (q, scale), azp = silu_mul_quant_fp8(x, self.group, use_triton=x.is_cuda), None
+            (q, scale), azp = silu_mul_quant_fp8(x, self.group, use_triton=x.is_cuda, scale=self.scale), None
         else:
             from lqe.kernels.fused_quant import silu_mul_quant_int8_any
 
@@ -86,7 +92,7 @@ class ActQuant:
 @dataclass(slots=True, frozen=True)
 class QuantizedActivation:
     q: torch.Tensor  # int8 / float8_e4m3fn [..., K]
-    scale: torch.Tensor  # fp32 [..., 1] per token, [..., K / group] per group, [1] static
+    scale: torch.Tensor  # fp32 [..., 1] per token, [..., K / group] per group, [1] static (the consumer's tensor)
     dtype: torch.dtype  # the float activation's dtype: the consumer's output dtype
     scheme: str = INT8_PER_TOKEN_SYM
     azp: torch.Tensor | None = None  # int32 zero point: [..., 1] per token (asymmetric), [1] static

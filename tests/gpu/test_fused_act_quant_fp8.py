@@ -34,12 +34,36 @@ def _compare(q, s, y, twin_q, twin_s, twin_y, group, what):
     return {"rows_like_twin": int(same.sum()), "rows": len(same)}
 
 
-def check_rms_norm_quant_fp8(m, k, dtype, device, residual=True, group=0):
+def _compare_static(q, s, scale, y, twin_q, twin_y, what):
+    """Static: the codes are fp8_quantize_static's (what the unfused layer computes), the scale the consumer's own."""
+    from lqe.kernels import w8a8
+
+    assert s is scale, (what, "the static scale returned is not the consumer's tensor")
+    k = q.shape[-1]
+    q, y = q.reshape(-1, k), y.reshape(-1, k)
+    ref_q, ref_s = w8a8.fp8_quantize_static(y, scale)
+    assert torch.equal(_bits(q), _bits(ref_q)), (what, "q != fp8_quantize_static", int((_bits(q) != _bits(ref_q)).sum()))
+    assert torch.equal(ref_s.cpu(), scale.cpu().reshape(1, 1).expand(len(q), 1))
+    same = (y.cpu() == twin_y.reshape(y.shape)).all(-1)
+    assert torch.equal(_bits(q)[same], _bits(twin_q.reshape(q.shape))[same]), (what, "!= twin")
+    return {"rows_like_twin": int(same.sum()), "rows": len(same)}
+
+
+def check_rms_norm_quant_fp8(m, k, dtype, device, residual=True, group=0, static=False):
     from lqe.kernels import fused_ops as fo
     from lqe.kernels import fused_quant_fp8 as fq
 
     x, r, w = norm_inputs(m, k, dtype, residual)
     xd, rd, wd = x.to(device), (r.to(device) if residual else None), w.to(device)
+    if static:  # a scale that saturates the largest values (the clamp) and rounds the rest
+        scale = torch.tensor([0.004], device=device)
+        q, s, new_r = fq.rms_norm_quant_fp8(xd, wd, EPS, rd, scale=scale)
+        tq, _, _ = fq.rms_norm_quant_fp8_torch(x, w, EPS, r, scale=scale.cpu())
+        y, ty = fo.rms_norm(xd, wd, EPS, rd), fo.rms_norm_torch(x, w, EPS, r)
+        if residual:
+            (y, ref_r), ty = y, ty[0]
+            assert torch.equal(new_r, ref_r), "residual != rms_norm's residual"
+        return _compare_static(q, s, scale, y, tq, ty, f"static rms_norm_quant_fp8 M={m} K={k} {dtype} on {device}")
     q, s, new_r = fq.rms_norm_quant_fp8(xd, wd, EPS, rd, group=group)
     y = fo.rms_norm(xd, wd, EPS, rd)
     if residual:
@@ -54,12 +78,18 @@ def check_rms_norm_quant_fp8(m, k, dtype, device, residual=True, group=0):
     return _compare(q, s, y, tq, ts, ty, group, what)
 
 
-def check_silu_mul_quant_fp8(m, inter, dtype, device, group=0, chunk=None):
+def check_silu_mul_quant_fp8(m, inter, dtype, device, group=0, chunk=None, static=False):
     from lqe.kernels import fused_ops as fo
     from lqe.kernels import fused_quant_fp8 as fq
 
     x = silu_inputs(m, inter, dtype)
     xd = x.to(device)
+    if static:
+        scale = torch.tensor([0.002], device=device)
+        q, s = fq.silu_mul_quant_fp8(xd, chunk=chunk, scale=scale)
+        tq, _ = fq.silu_mul_quant_fp8_torch(x, scale=scale.cpu())
+        return _compare_static(q, s, scale, fo.silu_and_mul(xd), tq, fo.silu_and_mul_torch(x),
+                               f"static silu_mul_quant_fp8 M={m} I={inter} {dtype} chunk={chunk} on {device}")
     q, s = fq.silu_mul_quant_fp8(xd, group=group, chunk=chunk)
     y = fo.silu_and_mul(xd)
     tq, ts = fq.silu_mul_quant_fp8_torch(x, group)
@@ -91,3 +121,15 @@ def test_fused_fp8_quant_bit_exact(dtype, group):
         check_silu_mul_quant_fp8(m, inter, dtype, "cuda", group)
     check_silu_mul_quant_fp8(7, 640, dtype, "cuda", group, chunk=256)
     check_matches_layer_quantizer("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not fp8_ok(), reason="needs an FP8 GPU (sm89+)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_fp8_static_quant_bit_exact(dtype):
+    for m, k in ((1, 4096), (33, 14336)):
+        for residual in (False, True):
+            check_rms_norm_quant_fp8(m, k, dtype, "cuda", residual, static=True)
+    for m, inter in ((1, 14336), (26, 1024)):
+        check_silu_mul_quant_fp8(m, inter, dtype, "cuda", static=True)
+    check_silu_mul_quant_fp8(7, 640, dtype, "cuda", chunk=256, static=True)
