@@ -15,7 +15,8 @@ Per (model shape, variant) it measures, through the public API (``LLM.generate``
   nano-vllm protocol); ``total_tok_s`` adds the prompt tokens; ``gpu_busy_256``: the GPU time of every step (CUDA
   events around ``ModelRunner.execute``, read after the run: no added sync) over the run's wall time;
   ``floor_256_s`` / ``time_256_s`` / ``floor_256_ratio``: the workload's roofline floor from its FLOPs and bytes
-  and the GPU's spec peaks, beside the measured time;
+  and the GPU's spec peaks, beside the measured time; ``gpu_kernel_busy_256``: kernel time over wall time from the
+  profiler, in a 200-step window of a second, 64-request run (:func:`kernel_busy`; ``--no-kernel-busy`` skips it);
 * ``weight_gbps_bs1``: weight bytes read per decoded token (every weight except the embedding table, which is
   gathered, unless tied to the LM head) x ``decode_tok_s_bs1``: compare with the GPU's HBM bandwidth;
 * ``gpu_ms_step_bs1``: GPU time of one batch-1 decode step (its CUDA graph replayed back to back, 256 cached
@@ -190,6 +191,46 @@ def throughput_256(llm, sp_cls, n: int, vocab: int, seed: int) -> dict:
             "gpu_s": gpu_s, "steps": len(spans), "requests": reqs}
 
 
+def kernel_busy(llm, sp_cls, n: int, vocab: int, seed: int, skip_steps: int = 50, steps: int = 200, lo: int = 100,
+                hi: int = 1024, activities=None) -> dict:
+    """GPU kernel time over wall time from the profiler: the first ``n`` requests of the same workload, CUDA activity
+    only (CUPTI records each kernel / copy with its device timestamps; no CPU-op tracing, so the host is barely
+    slowed), in a window of ``steps`` engine steps after ``skip_steps``. ``gpu_kernel_busy_256`` is the union of the
+    window's kernel and copy intervals over the span from its first start to its last end: a lower bound where the
+    profiler slows the host at all, beside ``gpu_busy_256`` (CUDA events around each step), an upper bound. A
+    separate run, so the throughput run is never profiled."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from workload import busy_union
+
+    reqs = workload_256(vocab, n, lo, hi, seed=seed)
+    params = [sp_cls(max_tokens=r.output_len, ignore_eos=True, temperature=0) for r in reqs]
+    runner = llm.llm_engine.runner
+    names = ("execute", "execute_async")
+    with profile(activities=activities or [ProfilerActivity.CUDA],
+                 schedule=schedule(wait=skip_steps, warmup=2, active=steps, repeat=1)) as prof:
+        def stepped(execute):
+            def run(*a, **k):
+                try:
+                    return execute(*a, **k)
+                finally:
+                    prof.step()
+            return run
+        for name in names:
+            setattr(runner, name, stepped(getattr(runner, name)))
+        try:
+            llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
+            _sync()
+        finally:
+            for name in names:
+                delattr(runner, name)
+    events = [e for e in prof.profiler.kineto_results.events() if e.device_type() == torch.autograd.DeviceType.CUDA]
+    busy, span = busy_union([(e.start_ns(), e.end_ns()) for e in events])
+    return {"gpu_kernel_busy_256": round(busy / span, 3) if span else None, "kernel_busy_window_steps": steps,
+            "kernel_busy_window_ms": round(span / 1e6, 1), "kernel_busy_requests": n, "kernel_busy_gpu_events": len(events),
+            "kernel_busy_steps_run": prof.step_num}
+
+
 def floor_columns(shape: str, reqs, weight_bytes: int, measured_s: float) -> dict:
     """The workload's roofline floor (:func:`workload.workload_floor`) beside the measured time."""
     f = SHAPES[shape][1]
@@ -293,6 +334,11 @@ def run_variant(model_dir: Path, args, vocab: int, shape: str) -> dict:
     row["gpu_busy_256"] = round(t["gpu_s"] / t["seconds"], 3)
     row["steps_256"], row["num_requests_256"] = t["steps"], args.num_requests
     row.update(floor_columns(shape, t["requests"], row["weight_bytes"], t["seconds"]))
+    if not args.no_kernel_busy:
+        try:
+            row.update(kernel_busy(llm, SamplingParams, min(args.num_requests, 64), vocab, args.seed))
+        except Exception as e:  # noqa: BLE001 -- the profiler is an extra column, never a lost row
+            row["kernel_busy_error"] = f"{type(e).__name__}: {e}"
     row["weight_gbps_bs1"] = row["weight_bytes"] * row["decode_tok_s_bs1"] / 1e9
     del llm, runner
     _free_gpu()
@@ -364,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--quick", action="store_true", help="small shapes only, 32 requests (a smoke run)")
     ap.add_argument("--no-eager", action="store_true", help="skip the enforce_eager=True decode columns")
+    ap.add_argument("--no-kernel-busy", action="store_true",
+                    help="skip gpu_kernel_busy_256 (a profiled window of a 64-request run after the throughput run)")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="async_scheduling=True (rows stored as variant '<variant>+async', beside the synchronous ones)")
     ap.add_argument("--cudagraph-mode", choices=("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"), default=None,

@@ -58,3 +58,19 @@ def workload_floor(reqs: list[Request], *, matmul_params: int, weight_bytes: int
     return {"flops": flops, "bytes": nbytes, "min_decode_steps": steps,
             "floor_s": max(flops / peak_flops, nbytes / peak_bw),
             "floor_bound": "compute" if flops / peak_flops >= nbytes / peak_bw else "memory"}
+
+
+def busy_union(intervals: list[tuple[int, int]]) -> tuple[int, int]:
+    """``(busy, span)`` of GPU activity intervals ``(start, end)`` (any unit): ``busy`` the length of their union
+    (overlapping kernels, e.g. on two streams, count once), ``span`` from the first start to the last end."""
+    busy, span_start, span_end, cur_start, cur_end = 0, None, None, None, None
+    for start, end in sorted(intervals):
+        span_start = start if span_start is None else span_start
+        span_end = end if span_end is None else max(span_end, end)
+        if cur_end is None or start > cur_end:
+            busy += 0 if cur_end is None else cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += 0 if cur_end is None else cur_end - cur_start
+    return busy, (0 if span_start is None else span_end - span_start)

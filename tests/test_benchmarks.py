@@ -227,3 +227,21 @@ def test_serving_benchmark_against_a_tokenizerless_server(tmp_path):
     assert rep["completed"] == 4 and rep["failed"] == 0, rep["errors"]
     assert all(r["output_tokens"] == 5 and len(r["itl"]) == 4 for r in rep["requests"])
     assert 0 < rep["ttft_ms"]["p50"] <= rep["e2e_ms"]["p50"] and rep["tpot_ms"]["p99"] > 0
+
+
+def test_e2e_gpu_kernel_busy_glue_on_cpu(tiny_llama_dir):
+    """The profiled window of e2e_gpu.kernel_busy steps the profiler once per engine step and restores the runner;
+    on the CPU there are no CUDA events, so the column is None (on a GPU: kernel union / span)."""
+    import e2e_gpu
+
+    from lqe import LLM, SamplingParams
+
+    llm = LLM(tiny_llama_dir, max_model_len=128, kv_cache_memory_bytes=16 << 20)
+    runner = llm.llm_engine.runner
+    from torch.profiler import ProfilerActivity
+
+    row = e2e_gpu.kernel_busy(llm, SamplingParams, 2, 200, 0, skip_steps=2, steps=3, lo=10, hi=40,
+                              activities=[ProfilerActivity.CPU])  # a CPU build refuses a CUDA-only profiler
+    assert row["gpu_kernel_busy_256"] is None and row["kernel_busy_gpu_events"] == 0 and row["kernel_busy_requests"] == 2
+    assert row["kernel_busy_steps_run"] >= 10  # one profiler step per engine step (2 requests of 10-40 new tokens)
+    assert "execute" not in vars(runner) and "execute_async" not in vars(runner)  # the class methods again

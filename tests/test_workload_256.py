@@ -41,3 +41,12 @@ def test_floor_counts_flops_and_bytes():
     assert fl["min_decode_steps"] == 4
     assert fl["floor_s"] == pytest.approx(max(fl["flops"], fl["bytes"]) / 1e3)
     assert fl["floor_bound"] == "compute"
+
+
+def test_busy_union_counts_overlaps_once():
+    from workload import busy_union
+
+    assert busy_union([]) == (0, 0)
+    assert busy_union([(0, 10)]) == (10, 10)
+    # overlapping (two streams), nested, touching, then gaps: busy 10 + 11 + 3, span 0..33
+    assert busy_union([(12, 20), (0, 10), (2, 8), (15, 17), (20, 22), (22, 23), (30, 33)]) == (10 + 11 + 3, 33)
