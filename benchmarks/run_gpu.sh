@@ -47,11 +47,11 @@ if [[ -z "${LQE_CUDA_ARCHS:-}" ]]; then  # build only for this GPU (sm_90a on Ho
 fi
 
 echo "== [1/5] build the CUDA kernels ($LQE_CUDA_ARCHS)"
-t0=$(date +%s.%N)
-python -c "import logging,sys;logging.basicConfig(level=logging.INFO);import lqe.kernels as k;ok=k.available();print('lqe kernels available:',ok,k.unavailable_reason() or '');sys.exit(0 if ok else 1)" \
+t0=$(date +%s)
+timeout "$(budget "${LQE_BUILD_TIMEOUT:-300}")" python -c "import logging,sys;logging.basicConfig(level=logging.INFO);import lqe.kernels as k;ok=k.available();print('lqe kernels available:',ok,k.unavailable_reason() or '');sys.exit(0 if ok else 1)" \
   2>&1 | tee "$LOGDIR/build.log"
 stage_rc[build]=${PIPESTATUS[0]}
-BUILD_S=$(python -c "import time;print(round(time.time()-$t0,1))")
+BUILD_S=$(( $(date +%s) - t0 ))
 
 # The whole run keeps inside LQE_BUDGET_S seconds (default 560 from the start: one device call is limited to 600 s,
 # and the summary JSON must still be written): each stage's timeout is cut to what is left (budget.sh), and a stage
@@ -81,7 +81,8 @@ PY
 )
   pids=()
   for i in "${!groups[@]}"; do
-    timeout "$(budget "${LQE_TEST_TIMEOUT:-300}")" python -m pytest -m gpu ${groups[$i]} -q -p no:cacheprovider \
+    # SIGINT first: pytest stops as on Ctrl-C and still writes its JUnit XML (the summary then counts what ran)
+    timeout -s INT -k 20 "$(budget "${LQE_TEST_TIMEOUT:-300}")" python -m pytest -m gpu ${groups[$i]} -q -p no:cacheprovider \
       --junitxml="$LOGDIR/gpu-tests-$i.xml" > "$LOGDIR/gpu-tests-$i.txt" 2>&1 &
     pids+=($!)
   done
@@ -125,7 +126,7 @@ import glob
 
 out, logdir, build_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
 rcs = dict(zip(("build", "tests", "kernels", "e2e", "calib"), map(int, sys.argv[4:9])))
-tests = {"passed": 0, "failed": 0, "skipped": 0, "failed_ids": []}
+tests = {"passed": 0, "failed": 0, "skipped": 0, "not_run": 0, "failed_ids": []}
 for xml_path in sorted(glob.glob(os.path.join(logdir, "gpu-tests-*.xml"))):
     for case in ET.parse(xml_path).getroot().iter("testcase"):
         cid = f"{case.get('classname')}::{case.get('name')}"
@@ -136,6 +137,10 @@ for xml_path in sorted(glob.glob(os.path.join(logdir, "gpu-tests-*.xml"))):
             tests["skipped"] += 1
         else:
             tests["passed"] += 1
+ids_path = os.path.join(logdir, "gpu-test-ids.txt")
+if rcs["tests"] != -1 and os.path.exists(ids_path):  # collected but never reported: a group cut by its timeout
+    collected = sum(1 for line in open(ids_path) if line.strip())
+    tests["not_run"] = max(0, collected - tests["passed"] - tests["failed"] - tests["skipped"])
 commit = os.environ.get("LQE_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                         text=True).stdout.strip() or None
 report = {"commit": commit, "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
@@ -149,10 +154,11 @@ except ImportError:
     pass
 with open(out, "w") as f:
     json.dump(report, f, indent=1)
-print(f"== summary ({out}): tests {tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped; "
+print(f"== summary ({out}): tests {tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped, "
+      f"{tests['not_run']} not run; "
       f"build {build_s:.0f}s; stages {report['stages']}")
 for cid in tests["failed_ids"][:30]:
     print("   FAILED", cid)
-sys.exit(1 if tests["failed"] or any(v > 0 or v == -2 for v in rcs.values()) else 0)
+sys.exit(1 if tests["failed"] or tests["not_run"] or any(v > 0 or v == -2 for v in rcs.values()) else 0)
 EOF
 exit $?

@@ -7,6 +7,9 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 source benchmarks/stages/budget.sh
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUTDIR="${OUT:-benchmarks/results}"; mkdir -p "$OUTDIR"
+LOGDIR="$OUTDIR/logs"; mkdir -p "$LOGDIR"
 if ! python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "stage: no CUDA GPU visible (torch.cuda.is_available() is False); nothing was run." >&2
   exit 2
@@ -18,14 +21,14 @@ if [[ -z "${LQE_CUDA_ARCHS:-}" ]]; then
 fi
 echo "== build the CUDA kernels ($LQE_CUDA_ARCHS)"
 t0=$(date +%s)
-python -c "import logging,sys;logging.basicConfig(level=logging.INFO);import lqe.kernels as k;ok=k.available();print('lqe kernels available:',ok,k.unavailable_reason() or '');sys.exit(0 if ok else 1)" \
+timeout "$(budget "${LQE_BUILD_TIMEOUT:-300}")" python -c "import logging,sys;logging.basicConfig(level=logging.INFO);import lqe.kernels as k;ok=k.available();print('lqe kernels available:',ok,k.unavailable_reason() or '');sys.exit(0 if ok else 1)" \
   2>&1 | tee "$LOGDIR/build.log" | tail -20
 BUILD_RC=${PIPESTATUS[0]}
 echo "build: exit $BUILD_RC in $(( $(date +%s) - t0 )) s"
 
 run_tests() {  # run_tests NAME pytest-args...: gpu-marked tests, summary line, JUnit XML in $LOGDIR/NAME.xml
   local name=$1; shift
-  timeout "$(budget "${LQE_TEST_TIMEOUT:-300}")" python -m pytest -m gpu -q -p no:cacheprovider --junitxml="$LOGDIR/$name.xml" "$@" \
+  timeout -s INT -k 20 "$(budget "${LQE_TEST_TIMEOUT:-300}")" python -m pytest -m gpu -q -p no:cacheprovider --junitxml="$LOGDIR/$name.xml" "$@" \
     > "$LOGDIR/$name.txt" 2>&1
   local rc=$?
   echo "-- tests $name: exit $rc"; tail -25 "$LOGDIR/$name.txt"

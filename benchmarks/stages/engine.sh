@@ -51,7 +51,8 @@ print(e2e_gpu.build_random_model('qwen2.5-0.5b', w / 'qwen2.5-0.5b' / 'bf16', 0)
   for rate in 16 inf; do
     timeout "$(budget 120)" python benchmarks/serving.py --model "$model" --num-prompts 256 --request-rate $rate \
       --input-len 512 --output-len 128 --max-token-id 150000 --out "$OUTDIR/serving-$SLUG-rate-$rate.json" \
-      | grep -A8 "^== serving" || rc=1
+      > "$LOGDIR/serving-rate-$rate.log" 2>&1 || rc=1  # the exit status is serving.py's, not a grep's
+    grep -A8 "^== serving" "$LOGDIR/serving-rate-$rate.log"
   done
 fi
 if ! skip e2e8b; then
