@@ -66,8 +66,9 @@ def check_exact(cw: CanonicalWeight, dtype: torch.dtype) -> repack_mma.PackedMMA
 
 # Every format x group size (K % g != 0 where K=200 and g=32/64/128) x 4/8 bits x fp16/bf16.
 FORMATS = [("gptq", False, False), ("gptq", True, False), ("gptq", False, True), ("gptq", True, True),
-           ("gptq_v2", False, False), ("gptq_v2", True, False), ("gptq_v2", True, True), ("awq", False, False),
-           ("awq", True, False), ("ct", False, False), ("ct", True, False), ("ct", False, True)]
+           ("gptq_v2", False, False), ("gptq_v2", True, False), ("gptq_v2", False, True), ("gptq_v2", True, True),
+           ("awq", False, False), ("awq", True, False), ("ct", False, False), ("ct", True, False), ("ct", False, True),
+           ("ct", True, True)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -142,11 +143,21 @@ def test_stripe_schedule_covers_every_tile_once_in_lock_order(n_tiles, k_tiles, 
             seen.setdefault(t, []).append((k_lo, k_hi, order, b))
     assert sorted(seen) == list(range(n_tiles))
     for t, ps in seen.items():
-        ps.sort()
-        assert ps[0][0] == 0 and ps[-1][1] == k_tiles
+        ps.sort(reverse=True)  # from the last K piece down to k = 0: the order the partial sums add up in
+        assert ps[0][1] == k_tiles and ps[-1][0] == 0
         for i, (k_lo, k_hi, order, b) in enumerate(ps):
-            assert order == i  # the lock value this piece waits for = number of pieces before it
-            assert i == 0 or (ps[i - 1][1] == k_lo and ps[i - 1][3] < b)  # waits only on lower blocks
+            assert order == i  # the lock value this piece waits for = number of pieces added before it
+            assert i == 0 or (ps[i - 1][0] == k_hi and ps[i - 1][3] > b)  # waits only on higher blocks
+
+
+@pytest.mark.parametrize("n,k,sms", [(28672, 4096, 132), (6144, 4096, 132), (4096, 4096, 132), (4096, 14336, 132),
+                                     (4096, 14336, 108), (28672, 4096, 108), (6144, 4096, 78), (2048, 576, 132)])
+def test_stripe_schedule_never_chains_the_blocks(n, k, sms):
+    """No block waits for another to finish its stripe: a launch lasts about one stripe (``per`` k-tiles), not
+    ``grid x per`` (the Llama-3-8B layer shapes on H100 / A100 SM counts, and a small one)."""
+    n_tiles, k_tiles = -(-n // 256), -(-k // 64)
+    _, per = mma_ref.stripe_plan(n_tiles, k_tiles, sms)
+    assert mma_ref.stripe_critical_path(n_tiles, k_tiles, sms) <= per + 1
 
 
 def test_unsupported_inputs_are_named():

@@ -4,9 +4,10 @@
 //   k fastest and cut into equal contiguous stripes, one per block, at most one block per SM (persistent:
 //   grid <= SMs, so every block is resident). A stripe runs down K of one column tile and on into the next,
 //   so few column tiles at small M still fill every SM. The blocks that share a column tile reduce their fp32
-//   partial sums in a global workspace that stays in L2, serialized by a per-tile lock in K order (block b
-//   waits until the lock equals its rank b - first block of the tile): deterministic, the sum order is fixed.
-//   The last piece adds the bias, rounds once and writes the output, and resets the lock.
+//   partial sums in a global workspace that stays in L2, serialized by a per-tile lock in reverse K order
+//   (block b waits until the lock equals its rank: last block of the tile - b): deterministic, the sum order is
+//   fixed, and no block waits on one that still has a stripe to run. The piece at k = 0 adds the bias, rounds
+//   once, writes the output and resets the lock.
 // * Memory pipeline. kStages-deep cp.async ring: per stage the block copies one contiguous 8 KB (4-bit) or
 //   16 KB (8-bit) run of repacked weights with an L2 evict-first policy (read once), the 64-column slab of the
 //   activation rows (zero-filled past M and K) into XOR-swizzled shared memory, and the scale / zero-point rows
@@ -139,11 +140,16 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
       for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
 
   // One piece (this block's K range of one column tile) is done: in-L2 reduction in lock order, epilogue.
+  // The pieces of a tile add up from its last K piece down to its first: the last K piece (k_hi == k_tiles) is the
+  // FIRST piece its block computes, so it opens the sum without waiting; the first K piece (k_lo == 0) is the LAST
+  // piece its block computes, and by then the blocks above have long finished theirs. (Summing from k_lo == 0 up
+  // chains the blocks: each one's first piece would wait for the block below to finish its whole stripe.)
+  // A block waits only on higher blocks; every block is resident (grid <= SMs, one block per SM).
   auto finish_piece = [&](int nt, int k_lo, int k_hi) {
-    const bool first = k_lo == 0, last = k_hi == a.k_tiles, shared_tile = !(first && last);
+    const bool opens = k_hi == a.k_tiles, closes = k_lo == 0, shared_tile = !(opens && closes);
     int* lock = a.locks + nt;
+    const int rank = (nt * a.k_tiles + a.k_tiles - 1) / a.per - (int)blockIdx.x;  // pieces that add before this one
     if (shared_tile) {
-      const int rank = (int)blockIdx.x - (nt * a.k_tiles) / a.per;
       if (tid == 0)
         while (ld_acquire(lock) != rank) {
         }
@@ -161,12 +167,12 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
           if (row >= a.M) continue;
           float v0 = acc[i][j][2 * h], v1 = acc[i][j][2 * h + 1];
           float2* wp = reinterpret_cast<float2*>(a.ws + (size_t)row * a.n_pad + col);
-          if (!first) {
+          if (!opens) {
             const float2 o = __ldcg(wp);
             v0 = o.x + v0;
             v1 = o.y + v1;
           }
-          if (!last) {
+          if (!closes) {
             __stcg(wp, make_float2(v0, v1));
           } else if (col < a.N) {
             if (bias) {
@@ -177,12 +183,12 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
           }
         }
     if (shared_tile) {
-      if (last) {
+      if (closes) {
         if (tid == 0) *lock = 0;  // every other piece of this tile is done: ready for the next launch
       } else {
         __threadfence();
         __syncthreads();
-        if (tid == 0) st_release(lock, (int)blockIdx.x - (nt * a.k_tiles) / a.per + 1);
+        if (tid == 0) st_release(lock, rank + 1);
       }
     }
   };
@@ -270,11 +276,24 @@ cudaError_t run(const MmaArgs& a, int grid, cudaStream_t st) {
   return cudaGetLastError();
 }
 
+// m16 tiles per launch: the fewest that cover a.M, capped at mb_max (what the device's shared memory holds).
 template <typename T, int BITS>
-cudaError_t run_rows(const MmaArgs& a, int grid, cudaStream_t st) {
-  if (a.M <= 16) return run<T, BITS, 1>(a, grid, st);
-  if (a.M <= 32) return run<T, BITS, 2>(a, grid, st);
+cudaError_t run_rows(const MmaArgs& a, int grid, int mb_max, cudaStream_t st) {
+  if (a.M <= 16 || mb_max == 1) return run<T, BITS, 1>(a, grid, st);
+  if (a.M <= 32 || mb_max == 2) return run<T, BITS, 2>(a, grid, st);
   return run<T, BITS, 4>(a, grid, st);
+}
+
+// The largest m16-tile count (4, 2 or 1) whose kStages-deep ring fits the device's opt-in shared memory per block:
+// 8-bit weights with 64 rows need 112 KB, more than sm_86 / sm_89 give (99 KB); they run 32-row problems there.
+template <int BITS>
+int max_row_tiles() {
+  int dev = 0, optin = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
+    return 1;
+  if (Smem<BITS, 4>::kTotal <= optin) return 4;
+  return Smem<BITS, 2>::kTotal <= optin ? 2 : 1;
 }
 
 // Dense W[K, N] (sorted-K order) from the repack_mma layout, one warp per 16 x 64 warp tile, decoded with the
@@ -343,15 +362,18 @@ const char* launch_w4a16_mma(DType dt, int bits, const void* x, const void* qwei
   const int per = (total + min(sms, total) - 1) / min(sms, total);
   const int grid = (total + per - 1) / per;
   const size_t esz = 2;  // fp16 / bf16
-  for (int m0 = 0; m0 < M; m0 += kMmaMaxRows) {  // each 64-row problem reuses ws / locks (stream order)
+  const int mb_max = bits == 4 ? max_row_tiles<4>() : max_row_tiles<8>(), rows = 16 * mb_max;
+  if (reinterpret_cast<uintptr_t>(x) % 16 != 0) return "x must be 16-byte aligned (cp.async copies 16 bytes)";
+  for (int m0 = 0; m0 < M; m0 += rows) {  // each problem of <= 64 rows reuses ws / locks (stream order)
     MmaArgs a{static_cast<const char*>(x) + (size_t)m0 * K * esz, static_cast<const uint4*>(qweight), scales, zeros,
-              bias, static_cast<char*>(out) + (size_t)m0 * N * esz, ws, locks, min(kMmaMaxRows, M - m0), N, K,
+              bias, static_cast<char*>(out) + (size_t)m0 * N * esz, ws, locks, min(rows, M - m0), N, K,
               k_tiles, n_tiles, n_pad, group_size, groups, per};
     cudaError_t e;
     if (dt == DType::kHalf)
-      e = bits == 4 ? run_rows<half, 4>(a, grid, stream) : run_rows<half, 8>(a, grid, stream);
+      e = bits == 4 ? run_rows<half, 4>(a, grid, mb_max, stream) : run_rows<half, 8>(a, grid, mb_max, stream);
     else
-      e = bits == 4 ? run_rows<__nv_bfloat16, 4>(a, grid, stream) : run_rows<__nv_bfloat16, 8>(a, grid, stream);
+      e = bits == 4 ? run_rows<__nv_bfloat16, 4>(a, grid, mb_max, stream)
+                    : run_rows<__nv_bfloat16, 8>(a, grid, mb_max, stream);
     if (e != cudaSuccess) return cudaGetErrorString(e);
   }
   return nullptr;

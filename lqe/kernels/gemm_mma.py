@@ -48,6 +48,8 @@ def mma_gemm(ext, x2: torch.Tensor, p: PackedMMA, bias: torch.Tensor | None, out
     """``out = x2 @ W (+ bias)`` with the tensor-core GEMM; ``x2`` already gathered by ``p.perm`` and contiguous.
     ``sms`` overrides the number of stripes (default: the SM count)."""
     ws, locks = reserve_workspace(x2.device, p.n_pad)
+    if x2.data_ptr() % 16:  # a view at an odd offset: cp.async copies 16-byte chunks (rare; one copy)
+        x2 = x2.clone()
     ext.w4a16_mma_gemm(x2, p.qweight, p.scales, p.zeros, bias, out, ws, locks, p.bits, p.group_size, p.k_pad,
                        p.n_pad, int(sms) if sms else sm_count(x2.device))
     return out

@@ -143,7 +143,8 @@ def stripe_plan(n_tiles: int, k_tiles: int, sms: int) -> tuple[int, int]:
 
 def stripe_pieces(n_tiles: int, k_tiles: int, sms: int) -> list[list[tuple[int, int, int, int]]]:
     """Per block, its pieces ``(n_tile, k_lo, k_hi, order)`` as the kernel walks them; ``order`` is the value
-    the tile's lock must hold before the block adds its partial sums (``b - first block of the tile``)."""
+    the tile's lock must hold before the block adds its partial sums (``last block of the tile - b``): a tile's
+    pieces add up from its last K piece (its block's first piece) down to k = 0 (its block's last piece)."""
     grid, per = stripe_plan(n_tiles, k_tiles, sms)
     blocks = []
     for b in range(grid):
@@ -152,7 +153,32 @@ def stripe_pieces(n_tiles: int, k_tiles: int, sms: int) -> list[list[tuple[int, 
         while it < end:
             t, k_lo = divmod(it, k_tiles)
             k_hi = min(k_tiles, k_lo + (end - it))
-            pieces.append((t, k_lo, k_hi, b - (t * k_tiles) // per))
+            pieces.append((t, k_lo, k_hi, (t * k_tiles + k_tiles - 1) // per - b))
             it += k_hi - k_lo
         blocks.append(pieces)
     return blocks
+
+
+def stripe_critical_path(n_tiles: int, k_tiles: int, sms: int) -> int:
+    """The launch's length in k-tile iterations when each block computes one k-tile per unit of time and a piece
+    waits for the tile's lock (:func:`stripe_pieces` order; the reduction itself counted as free): ``per`` when
+    no block stalls on another, up to ``grid * per`` when every block waits for the one before it."""
+    blocks = stripe_pieces(n_tiles, k_tiles, sms)
+    done: dict[tuple[int, int], int] = {}  # (tile, order) -> time its partial sums are in
+    cursor = [0] * len(blocks)  # next piece per block
+    clock = [0] * len(blocks)
+    while any(c < len(p) for c, p in zip(cursor, blocks)):
+        progressed = False
+        for b, pieces in enumerate(blocks):
+            while cursor[b] < len(pieces):
+                t, k_lo, k_hi, order = pieces[cursor[b]]
+                if order > 0 and (t, order - 1) not in done:
+                    break  # waits on a piece not yet simulated
+                ready = clock[b] + (k_hi - k_lo)
+                clock[b] = max(ready, done.get((t, order - 1), 0))
+                done[(t, order)] = clock[b]
+                cursor[b] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("stripe schedule deadlocks: a piece waits on one that waits on it")
+    return max(clock)

@@ -14,7 +14,7 @@ from lqe.kernels import gemm, mma_ref, repack_mma  # noqa: E402
 from lqe.kernels.canonical import CanonicalWeight  # noqa: E402
 from helpers import random_canonical  # noqa: E402  (tests/ is on sys.path)
 
-MS = [1, 7, 16, 33, 64, 65, 257]
+MS = [1, 7, 16, 24, 33, 64, 65, 257]  # the 16 / 32 / 64-row tiles (24: MB=2), several 64-row problems
 DTYPES = [torch.float16, torch.bfloat16]
 # (format label, bits, group size, asym, act-order): GPTQ sym / asym (v1 and v2 decode alike), act-order, AWQ
 # (asym, no act-order), compressed-tensors (sym / asym) all arrive as these CanonicalWeight kinds.
@@ -83,6 +83,34 @@ def test_gemm_matches_reference(m, kind, dtype):
     y = gemm.wna16_gemm(x, p, bias, path="lqe-w4a16-mma")
     assert y.shape == (m, n) and y.dtype == dtype
     check(y, reference(x, p, bias), k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", KINDS, ids=[k[0] for k in KINDS])
+@pytest.mark.parametrize("sms", [1, 5])
+def test_long_stripes_every_format(sms, kind, dtype):
+    """Stripes of many k-tiles crossing column tiles (1 block walks all 48; 5 blocks walk 10 each): the 4-stage
+    ring is reused, group scales carry over and restart at a new column tile, skipped scale slots, and the
+    reverse-K reduction of pieces that share a tile, for every format (M = 24: two m16 tiles)."""
+    _, bits, gs, asym, act_order = kind
+    k, n = 1024, 768
+    cw = canonical(k, n, bits, gs, asym, act_order, seed=sms + bits)
+    p = packed_on_gpu(cw, dtype)
+    x = torch.randn(24, k, device="cuda", dtype=dtype)
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    y = gemm.wna16_gemm(x, p, bias, path="lqe-w4a16-mma", splits=sms)
+    check(y, reference(x, p, bias), k)
+    assert torch.equal(y, gemm.wna16_gemm(x, p, bias, path="lqe-w4a16-mma", splits=sms))
+
+
+def test_unaligned_activation_view():
+    """A view at an odd element offset (not 16-byte aligned) gives the aligned result."""
+    cw = canonical(512, 256, 4, 128, True, False, seed=5)
+    p = packed_on_gpu(cw, torch.bfloat16)
+    base = torch.randn(3 * 512 + 1, device="cuda", dtype=torch.bfloat16)
+    x = base[1:].view(3, 512)
+    assert x.data_ptr() % 16 != 0
+    check(gemm.wna16_gemm(x, p, path="lqe-w4a16-mma"), reference(x, p, None), 512)
 
 
 @pytest.mark.parametrize("sms", [1, 2, 5, 37, None])
