@@ -292,3 +292,19 @@ def test_kv_cache_accuracy_benchmark_rows(tiny_llama_dir, text, tmp_path):
         ("fp8_e5m2", True, "prefill"), ("fp8_e5m2", False, "prefill")]
     assert res["rows"][0]["ppl_increase_vs_16bit"] == 0 and len({r["ppl"] for r in res["rows"]}) == 7
     assert [t["goal"] for t in res["targets"]] == ["<= 0.01", "<= 0.01", "<= 0.03"]
+
+
+def test_checkpoint_with_only_one_scale_keeps_it(tmp_path):
+    """A checkpoint that gives a layer only ``k_scale`` (or only ``v_scale``): the first prefill computes the
+    missing one and keeps the given one."""
+    d = build_tiny_model(str(tmp_path / "m"), "llama", tokenizer=False)
+    sd = load_file(f"{d}/model.safetensors")
+    sd["model.layers.0.self_attn.k_scale"] = torch.tensor(0.07)
+    sd["model.layers.1.self_attn.v_scale"] = torch.tensor(0.09)
+    save_file(sd, f"{d}/model.safetensors", metadata={"format": "pt"})
+    llm = LLM(d, kv_cache_dtype="fp8", kv_cache_memory_bytes=2 << 20, max_model_len=128)
+    l0, l1 = _attn(llm)
+    assert llm.llm_engine.runner.kv_calibrate == [l0, l1]
+    _prompt_logprobs(llm)
+    assert float(l0.k_scale) == pytest.approx(0.07) and float(l1.v_scale) == pytest.approx(0.09)
+    assert float(l0.v_scale) not in (1.0, pytest.approx(0.07)) and float(l1.k_scale) != 1.0  # computed

@@ -89,12 +89,15 @@ class Attention(nn.Module):
     def calc_kv_scales(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """vLLM's ``calc_kv_scales``: ``k_scale = max|k| / 200``, ``v_scale = max|v| / 100`` over the tokens this
         step stores (padding rows excluded; ``k`` rotated when the layer rotates keys), once; a zero absmax keeps
-        the scale at 1."""
+        the scale at 1. A scale the checkpoint gave (``kv_scales_loaded``: some give only one of the two) is kept."""
         rows = slot_mapping[: k.shape[0]] >= 0
         if not bool(rows.any()):
             return
-        for x, dst, rng in ((k[rows], self.k_scale, K_SCALE_RANGE), (v[rows], self.v_scale, V_SCALE_RANGE)):
-            amax = x.abs().amax().float()
+        for x, name, rng in ((k, "k_scale", K_SCALE_RANGE), (v, "v_scale", V_SCALE_RANGE)):
+            if name in self.kv_scales_loaded:
+                continue
+            dst = getattr(self, name)
+            amax = x[rows].abs().amax().float()
             dst.copy_(torch.where(amax > 0, amax / rng, torch.ones_like(amax)).reshape(1))
         self.calculate_kv_scales = False
 
