@@ -9,6 +9,18 @@ import subprocess
 import torch
 
 
+def commit() -> str | None:
+    """The commit measured: ``LQE_COMMIT`` when set (a GPU machine's copy of the tree may have no .git), else the
+    short hash of git's HEAD, else None."""
+    if os.environ.get("LQE_COMMIT"):
+        return os.environ["LQE_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except OSError:
+        return None
+
+
 def env_info() -> dict:
     info = {
         "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -16,11 +28,7 @@ def env_info() -> dict:
         "torch_threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
-    try:
-        info["lqe_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
-    except OSError:
-        info["lqe_commit"] = None
+    info["lqe_commit"] = commit()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

@@ -12,8 +12,11 @@ Per (model shape, variant) it measures, through the public API (``LLM.generate``
 * ``ttft_ms``: time to first token of one 512-token prompt (median of 3, prefix caching off);
 * ``throughput_tok_s`` (= ``throughput_256_tok_s``): output tokens per second over N requests (default 256) whose
   input and output lengths are uniform in [100, 1024] (seed 0, ``ignore_eos``: ``benchmarks/workload.py``, the
-  nano-vllm protocol); ``total_tok_s`` adds the prompt tokens; ``gpu_busy_256``: the GPU time of every step (CUDA
-  events around ``ModelRunner.execute``, read after the run: no added sync) over the run's wall time;
+  nano-vllm protocol); ``total_tok_s`` adds the prompt tokens; ``workload_id`` (a digest of the requests),
+  ``workload_input_tokens`` / ``workload_output_tokens``: what identifies the workload, so a later run knows whether
+  its throughput is comparable (benchmarks/compare_e2e.py); ``gpu_busy_256``: the GPU span of every step, from its
+  inputs on the device to its sampled tokens leaving it (CUDA events, read after the run: no added sync;
+  :class:`StepSpans`), over the run's wall time: host gaps inside a step count as busy, so an upper bound;
   ``floor_256_s`` / ``time_256_s`` / ``floor_256_ratio``: the workload's roofline floor from its FLOPs and bytes
   and the GPU's spec peaks, beside the measured time; ``gpu_kernel_busy_256``: kernel time over wall time from the
   profiler, in a 200-step window of a second, 64-request run (:func:`kernel_busy`; ``--no-kernel-busy`` skips it);
@@ -26,7 +29,11 @@ Per (model shape, variant) it measures, through the public API (``LLM.generate``
 * the same decode columns with ``_eager`` appended: the engine with ``enforce_eager=True`` (no CUDA graphs), in
   the same run, so the graphs' gain is one division away (skipped with ``--no-eager``).
 
-Results go to ``benchmarks/results/e2e-<gpu>.json`` (rows of other shapes/variants already there are kept).
+Results go to ``<--out-dir>/e2e-<gpu>.json`` (default benchmarks/results): rows of other shapes/variants already
+there are kept (an out-dir without the file starts from the committed ``benchmarks/results/e2e-<gpu>.json``, so
+``--quick``, which runs no llama3-8b row, still leaves the committed one in its file); each new row records its
+``commit`` (``LQE_COMMIT`` when set, else git's HEAD). ``benchmarks/compare_e2e.py`` compares them with the committed
+rows (issue 27's >= 0.95x).
 Quantized variants come from ``python -m tools.convert quantize --method rtn --format gptq|w8a8``; when that
 fails the variant is skipped with the reason printed.
 
@@ -56,8 +63,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from common import write_random_checkpoint  # noqa: E402
-from workload import peaks_for, workload_256, workload_floor  # noqa: E402
+from common import commit, write_random_checkpoint  # noqa: E402
+from workload import peaks_for, workload_256, workload_floor, workload_id  # noqa: E402
 
 SHAPES = {  # HF config fields of the real models; weights are random
     "llama3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -150,45 +157,91 @@ def ttft_ms(llm, sp_cls, vocab: int, rng: random.Random, prompt_len: int = 512, 
     return statistics.median(times)
 
 
-def throughput_256(llm, sp_cls, n: int, vocab: int, seed: int) -> dict:
+class StepSpans:
+    """CUDA events around the device part of every engine step, for ``gpu_busy_256``. A step's span starts at an
+    event recorded right after its inputs are enqueued (the first ``StepInputBuilder.fill`` of the step: host buffer
+    filled, host-to-device copy queued) and ends at one recorded right after its device-to-host copy of the sampled
+    tokens is queued (``ModelRunner.to_host_start``), or when ``execute`` / ``execute_async`` returns for a step that
+    samples nothing. An event's time is when the GPU reaches it, so a span is the GPU's time from the step's inputs
+    being on the device to its sampled tokens leaving it: the host's input building before it and its bookkeeping after
+    the device-to-host copy (waiting for it, output processing, scheduling) are outside every span. Inside a span, GPU
+    idle time while the host still launches the step's work (eager layers, piecewise replays, attention between them)
+    counts as busy, so the sum of spans over the run's wall time is still an upper bound of kernel time over wall time
+    (``gpu_kernel_busy_256``, from the profiler, is the kernel time itself). Events are only recorded, read after the
+    run: no added sync. ``event`` makes an event (default: a timing ``torch.cuda.Event``; tests pass a fake)."""
+
+    def __init__(self, runner, event=None) -> None:
+        self.runner = runner
+        self.event = event or (lambda: torch.cuda.Event(enable_timing=True))
+        self.spans: list = []  # (start, end) events, one pair per step
+        self.steps_without_inputs = 0  # steps that filled no inputs (none expected): no span
+        self._step: list | None = None  # [start, end] of the step in progress
+
+    def _mark(self, slot: int) -> None:
+        if self._step is not None and self._step[slot] is None:
+            ev = self.event()
+            ev.record()
+            self._step[slot] = ev
+
+    def _step_hook(self, fn):
+        def run(*a, **k):
+            self._step = [None, None]
+            try:
+                return fn(*a, **k)
+            finally:
+                self._mark(1)
+                start, end = self._step
+                self._step = None
+                if start is None:
+                    self.steps_without_inputs += 1
+                else:
+                    self.spans.append((start, end))
+        return run
+
+    def _after(self, fn, slot: int):
+        def run(*a, **k):
+            out = fn(*a, **k)
+            self._mark(slot)
+            return out
+        return run
+
+    def __enter__(self) -> "StepSpans":
+        r = self.runner
+        hooks = [(r, "execute", self._step_hook), (r, "execute_async", self._step_hook),
+                 (r, "to_host_start", lambda fn: self._after(fn, 1)), (r.inputs, "fill", lambda fn: self._after(fn, 0))]
+        self._saved = [(obj, name, vars(obj).get(name)) for obj, name, _ in hooks]  # instance attributes before
+        for obj, name, hook in hooks:
+            setattr(obj, name, hook(getattr(obj, name)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for obj, name, before in self._saved:
+            if before is None:
+                delattr(obj, name)  # the class's method again
+            else:
+                setattr(obj, name, before)
+
+    def seconds(self) -> float:
+        return sum(s.elapsed_time(e) for s, e in self.spans) / 1e3
+
+
+def throughput_256(llm, sp_cls, n: int, vocab: int, seed: int, lo: int = 100, hi: int = 1024, event=None) -> dict:
     """The issue-26 workload (:func:`workload.workload_256`) through ``LLM.generate``: output and total tokens/s,
-    wall seconds, and the GPU time of every step from a pair of CUDA events recorded around
-    ``ModelRunner.execute`` (recorded only: read after the run, so they add no host sync). A step's span runs from
-    its first queued kernel to its end, so gaps inside an eager step (the GPU waiting for the host's launches)
-    count as busy: ``gpu_busy_256`` is an upper bound of kernel time over wall time; the time between steps
-    (scheduling, output processing, the next step's input building) counts as idle."""
-    reqs = workload_256(vocab, n, seed=seed)
+    wall seconds, and the GPU time of every step (:class:`StepSpans`: from its inputs on the device to its sampled
+    tokens leaving it, the host's input building and bookkeeping excluded)."""
+    reqs = workload_256(vocab, n, lo, hi, seed=seed)
     prompts = [r.prompt for r in reqs]
     params = [sp_cls(max_tokens=r.output_len, ignore_eos=True, temperature=0) for r in reqs]
-    runner = llm.llm_engine.runner
-    spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-
-    def timed(execute):
-        def run(*a, **k):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            try:
-                return execute(*a, **k)
-            finally:
-                end.record()
-                spans.append((start, end))
-        return run
-    names = ("execute", "execute_async")  # the synchronous step and the async-scheduling launch
-    for name in names:
-        setattr(runner, name, timed(getattr(runner, name)))
-    try:
+    with StepSpans(llm.llm_engine.runner, event) as spans:
         _sync()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         _sync()
         dt = time.perf_counter() - t0
-    finally:
-        for name in names:
-            delattr(runner, name)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    gpu_s = sum(s.elapsed_time(e) for s, e in spans) / 1e3
     return {"out_tok_s": out_tokens / dt, "total_tok_s": (out_tokens + sum(map(len, prompts))) / dt, "seconds": dt,
-            "gpu_s": gpu_s, "steps": len(spans), "requests": reqs}
+            "gpu_s": spans.seconds(), "steps": len(spans.spans) + spans.steps_without_inputs, "requests": reqs,
+            "out_tokens": out_tokens}
 
 
 def kernel_busy(llm, sp_cls, n: int, vocab: int, seed: int, skip_steps: int = 50, steps: int = 200, lo: int = 100,
@@ -229,6 +282,13 @@ def kernel_busy(llm, sp_cls, n: int, vocab: int, seed: int, skip_steps: int = 50
     return {"gpu_kernel_busy_256": round(busy / span, 3) if span else None, "kernel_busy_window_steps": steps,
             "kernel_busy_window_ms": round(span / 1e6, 1), "kernel_busy_requests": n, "kernel_busy_gpu_events": len(events),
             "kernel_busy_steps_run": prof.step_num}
+
+
+def workload_columns(reqs) -> dict:
+    """What identifies the throughput run's requests: their digest and token counts (``workload_256`` once drew other
+    requests for the same arguments, and throughput over other requests is not comparable)."""
+    return {"workload_id": workload_id(reqs), "workload_input_tokens": sum(len(r.prompt) for r in reqs),
+            "workload_output_tokens": sum(r.output_len for r in reqs)}
 
 
 def floor_columns(shape: str, reqs, weight_bytes: int, measured_s: float) -> dict:
@@ -331,6 +391,8 @@ def run_variant(model_dir: Path, args, vocab: int, shape: str) -> dict:
     row["steps_by_path_256"] = {k: v - paths_before[k] for k, v in runner.steps_by_path.items()}
     row["throughput_tok_s"], row["total_tok_s"] = t["out_tok_s"], t["total_tok_s"]
     row["throughput_256_tok_s"] = t["out_tok_s"]
+    row.update(workload_columns(t["requests"]))
+    row["max_num_seqs"], row["max_num_batched_tokens"] = args.max_num_seqs, args.max_num_batched_tokens
     row["gpu_busy_256"] = round(t["gpu_s"] / t["seconds"], 3)
     row["steps_256"], row["num_requests_256"] = t["steps"], args.num_requests
     row.update(floor_columns(shape, t["requests"], row["weight_bytes"], t["seconds"]))
@@ -388,11 +450,7 @@ def environment() -> dict:
             env[mod] = __import__(mod).__version__
         except Exception:  # noqa: BLE001
             env[mod] = None
-    try:
-        env["lqe_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                           text=True).stdout.strip() or None
-    except OSError:
-        env["lqe_commit"] = None
+    env["lqe_commit"] = commit()
     return env
 
 
@@ -433,8 +491,13 @@ def main(argv: list[str] | None = None) -> int:
 
     gpu_slug = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-")
     out_path = Path(args.out_dir) / f"e2e-{gpu_slug}.json"
-    old = json.loads(out_path.read_text())["rows"] if out_path.exists() else []
-    rows = {(r["model_shape"], r["variant"]): r for r in old}
+    doc, seeded = merge_base(out_path)
+    rows = {(r["model_shape"], r["variant"]): r for r in doc.get("rows", [])}
+    kept = set(rows)  # rows this run does not measure stay as they are (their own "commit")
+    extra = {k: v for k, v in doc.items() if k not in ("device", "env", "rows", "date")}  # notes, ...
+    if seeded:
+        print(f"{out_path} starts from {seeded} ({len(rows)} rows): rows not measured now are kept", flush=True)
+    this_commit = commit()
     work = Path(args.work_dir)
     for shape in shapes:
         vocab = SHAPES[shape][1]["vocab_size"]
@@ -460,16 +523,31 @@ def main(argv: list[str] | None = None) -> int:
             label = (variant + ("+piecewise" if args.cudagraph_mode == "FULL_AND_PIECEWISE" else "")
                      + ("+async" if args.async_scheduling else ""))
             row = {"model_shape": shape, "variant": label, **row, "num_requests": args.num_requests,
-                   "seed": args.seed, "seconds": round(time.perf_counter() - t0, 1)}
+                   "seed": args.seed, "seconds": round(time.perf_counter() - t0, 1), "commit": this_commit}
             rows[(shape, label)] = row
+            kept.discard((shape, label))
             print(f"[{shape}/{variant}] " + ", ".join(
                 f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
                 if k not in ("model_shape", "variant")), flush=True)
             out_path.parent.mkdir(parents=True, exist_ok=True)
-            out_path.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "env": environment(),
-                                            "rows": list(rows.values())}, indent=1))
+            out_path.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"),
+                                            "env": environment(), "rows": list(rows.values()), **extra}, indent=1))
+    if kept:
+        print("rows kept from before, not measured in this run: " + ", ".join(f"{s}/{v}" for s, v in sorted(kept)))
     print(f"wrote {out_path}")
     return 0
+
+
+def merge_base(out_path: Path) -> tuple[dict, str | None]:
+    """The document new rows are merged into: ``out_path`` when it exists, else the committed file of the same name
+    in benchmarks/results (a run writing to an empty ``$OUT`` then still leaves every committed row in its file,
+    so the file can be committed whole); ``(doc, where it came from when seeded)``."""
+    if out_path.exists():
+        return json.loads(out_path.read_text()), None
+    committed = ROOT / "benchmarks" / "results" / out_path.name
+    if committed.exists():
+        return json.loads(committed.read_text()), str(committed.relative_to(ROOT))
+    return {}, None
 
 
 if __name__ == "__main__":

@@ -6,31 +6,37 @@ exceeds the GPU work. This tool drives the real engine (``LLMEngine.step``) thro
 
 * ``schedule``: ``Scheduler.schedule``;
 * ``prep``: the runner's input preparation (host buffer fill, metadata, one host-to-device copy);
-* ``forward``: the model forward (``forward_per_layer`` = forward / layers), of which ``attention`` is the
-  attention layers (store K/V + attend) and ``forward_rest`` the other ops;
+* ``forward``: the model forward (``forward_per_layer`` = forward / layers): ``model.forward`` on the eager path,
+  ``PiecewiseRunner.run`` (every piece replayed, attention between them) on the piecewise path; of which
+  ``attention`` is the attention layers (``Attention.attend``: store K/V + attend, called by both paths) and
+  ``forward_rest`` the other ops (on the piecewise path: the replays and the copies of the attention outputs);
 * ``sample``: LM head on the sampled rows + sampler (includes the step's one device-to-host copy);
 * ``other``: the rest of ``step()``: the sampling batch and output processing (appending tokens, stop checks).
 
-Every phase is wall time without a device synchronize, so on CUDA it is the host's time (kernels run
-asynchronously), except ``sample``, which waits for the GPU in its one sync: on CUDA ``gpu_wait`` (the time
-that sync blocks, measured once per step by ``ModelRunner.measure_gpu_wait``) is subtracted from ``step`` for
-``host_ms_per_step``. On CPU the compute runs inside each phase, so by default the model keeps the shape's
-layer count, head counts and step shape but divides its widths (hidden, intermediate, vocabulary) by
-``--width-div`` (8): the per-op compute becomes small and the forward time is dominated by its host cost
-(dispatch of the same ops, Python). ``--width-div 1`` gives the real widths (compute dominated on CPU).
-``ops_per_step`` counts the aten ops of one step (a device-independent proxy for launches). On CPU the clock is
-the main thread's CPU time (``time.thread_time``, torch on one thread), so a machine shared with other jobs
-inflates the figures less than wall time would; on CUDA it is wall time (``perf_counter``).
+Every request is greedy (``temperature=0``): the sampler's greedy path makes no host-to-device copy, so ``sample``
+is the LM head, the argmax and the step's one device-to-host copy. Every phase is wall time without a device
+synchronize, so on CUDA it is the host's time (kernels run asynchronously), except ``sample``, which waits for the
+GPU in its one sync: on CUDA ``gpu_wait`` (the time that sync blocks, measured once per step by
+``ModelRunner.measure_gpu_wait``) is subtracted from ``step`` for ``host_ms_per_step``. On CPU the compute runs
+inside each phase, so by default the model keeps the shape's layer count, head counts and step shape but divides
+its widths (hidden, intermediate, vocabulary) by ``--width-div`` (8): the per-op compute becomes small and the
+forward time is dominated by its host cost (dispatch of the same ops, Python). ``--width-div 1`` gives the real
+widths (compute dominated on CPU). ``ops_per_step`` counts the aten ops of one step (a device-independent proxy for
+launches). On CPU the clock is the main thread's CPU time (``time.thread_time``, torch on one thread), so a machine
+shared with other jobs inflates the figures less than wall time would; on CUDA it is wall time (``perf_counter``).
 
     python benchmarks/step_host_time.py                                # CPU, smollm2 shape, JSON in benchmarks/results
     python benchmarks/step_host_time.py --device cuda --width-div 1    # a GPU: the real host time of the eager step
+    python benchmarks/step_host_time.py --device cuda --shape qwen2.5-0.5b --decodes 255   # a 256-row mixed step
 
 ``--paths eager,piecewise`` (the CUDA default) measures the same steps twice in one run: ``eager`` with decode graphs
 only (``cudagraph_mode=FULL_DECODE_ONLY``: the mixed step runs eagerly) and ``piecewise`` (``FULL_AND_PIECEWISE``:
 the mixed step replays its token bucket's piecewise graphs, :mod:`lqe.engine.piecewise`); the piecewise row carries
 ``host_ms_ratio_vs_eager`` and both carry ``gpu_floor_ms`` (the step's weight bytes / peak bandwidth or its matmul
 FLOPs / peak FLOP/s, whichever is larger) beside ``host_ms_per_step``. ``steps_by_path`` counts which path the
-measured steps took. The piecewise path exists on CUDA only (CPU pieces are a recording for tests, not a speed path).
+measured steps took, ``seqs_per_step`` / ``tokens_per_step`` the shapes they were scheduled with (``--decodes 255``:
+``[256]`` / ``[479]``). The piecewise path exists on CUDA only (CPU pieces are a recording for tests, not a speed
+path; :func:`measure` takes a ``piecewise_backend`` so tests run the piecewise phase split on CPU).
 """
 from __future__ import annotations
 
@@ -110,40 +116,81 @@ def count_ops(fn) -> int:
     return Count.n
 
 
-def measure(model_dir: str, args) -> dict:
-    from lqe.config import EngineConfig
-    from lqe.engine.llm_engine import LLMEngine
+def wrap_phases(timer: PhaseTimer, engine) -> None:
+    """Time what a step really calls, on either path: the eager forward is ``model.forward`` (with ``Attention.forward``
+    -> ``attend`` per layer inside it); a piecewise step calls neither, but ``PiecewiseRunner.run`` (its pieces'
+    replays and ``Attention.attend`` between them). ``attend`` is what both paths run for attention, so ``attention``
+    is inside ``forward`` on both."""
     from lqe.layers.attention import Attention
-    from lqe.sampling_params import SamplingParams
 
-    cfg = EngineConfig(model=model_dir, device=args.device, dtype=args.dtype, max_model_len=2048,
-                       max_num_seqs=args.decodes + 1, max_num_batched_tokens=args.decodes + args.chunk,
-                       enable_prefix_caching=False, kv_cache_memory_bytes=args.kv_mib << 20,
-                       cudagraph_mode="FULL_AND_PIECEWISE" if args.path == "piecewise" else "FULL_DECODE_ONLY")
-    engine = LLMEngine(cfg)
-    vocab = engine.model_config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    rand = lambda n: torch.randint(2, vocab, (n,), generator=g).tolist()  # noqa: E731
-    long_steps = args.warmup + args.steps + 2
-    params = SamplingParams(max_tokens=long_steps + 8, ignore_eos=True, temperature=0)
-    for i in range(args.decodes):
-        engine.add_request(f"d{i}", rand(16), params)
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()  # every short request is decoding now
-    for i in range(long_steps):  # one whole prompt of `chunk` tokens prefilled beside the decodes in every step
-        engine.add_request(f"p{i}", rand(args.chunk), SamplingParams(max_tokens=1, ignore_eos=True))
     runner = engine.runner
-    clock = time.thread_time if engine.device.type == "cpu" else time.perf_counter
-    timer = PhaseTimer(clock)
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(runner, "prepare_inputs", "prep")
     timer.wrap(runner.model, "forward", "forward")
+    if runner.piecewise is not None:
+        timer.wrap(runner.piecewise, "run", "forward")
     timer.wrap(runner, "_launch_sample", "sample")
     timer.wrap(runner, "to_host_wait", "sample")
     timer.wrap(runner.model, "compute_logits", "sample")
     for m in runner.model.modules():
         if isinstance(m, Attention):
-            timer.wrap(m, "forward", "attention")
+            timer.wrap(m, "attend", "attention")
+
+
+def engine_config(model_dir: str, args):
+    """The engine for ``--decodes`` decoding sequences beside one prefilling prompt per step: ``decodes + 1``
+    sequences, ``decodes + chunk`` tokens a step (``--decodes 255``: the 256-row mixed step), ``--kv-mib`` of KV cache
+    (:func:`measure` checks it holds every sequence at its longest)."""
+    from lqe.config import EngineConfig
+
+    seqs, tokens = args.decodes + 1, args.decodes + args.chunk
+    return EngineConfig(model=model_dir, device=args.device, dtype=args.dtype, max_model_len=2048,
+                        max_num_seqs=seqs, max_num_batched_tokens=tokens, enable_prefix_caching=False,
+                        kv_cache_memory_bytes=args.kv_mib << 20,
+                        cudagraph_mode="FULL_AND_PIECEWISE" if args.path == "piecewise" else "FULL_DECODE_ONLY")
+
+
+def measure(model_dir: str, args, piecewise_backend=None) -> dict:
+    """One path's row. ``piecewise_backend`` (tests): capture the piecewise pieces with it (``RecordingBackend`` on
+    CPU, where the engine captures none) before measuring, so the piecewise path's phase split runs without a GPU."""
+    from lqe.engine.llm_engine import LLMEngine
+    from lqe.sampling_params import SamplingParams
+
+    engine = LLMEngine(engine_config(model_dir, args))
+    if piecewise_backend is not None and engine.runner.piecewise is None:
+        engine.runner.capture_piecewise(piecewise_backend)
+    long_steps = args.warmup + args.steps + 2
+    blocks = engine.runner.kv_spec.blocks_per_request  # every decode at its longest + one prompt: no preemption
+    need = blocks(16 + long_steps + 8) * args.decodes + blocks(args.chunk + 1)
+    if engine.runner.num_blocks < need:
+        engine.shutdown()
+        raise SystemExit(f"--kv-mib {args.kv_mib}: {engine.runner.num_blocks} KV blocks, the steps need {need}; "
+                         "raise --kv-mib")
+    vocab = engine.model_config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    rand = lambda n: torch.randint(2, vocab, (n,), generator=g).tolist()  # noqa: E731
+    params = SamplingParams(max_tokens=long_steps + 8, ignore_eos=True, temperature=0)
+    for i in range(args.decodes):
+        engine.add_request(f"d{i}", rand(16), params)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # every short request is decoding now
+    # one whole prompt of `chunk` tokens prefilled beside the decodes in every step; greedy like the decodes, so the
+    # step samples on the greedy path (the random sampler's host-to-device copies would sync inside `sample`)
+    prefill = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0)
+    for i in range(long_steps):
+        engine.add_request(f"p{i}", rand(args.chunk), prefill)
+    runner = engine.runner
+    clock = time.thread_time if engine.device.type == "cpu" else time.perf_counter
+    timer = PhaseTimer(clock)
+    wrap_phases(timer, engine)
+    shapes = []  # (sequences, tokens) of each measured step, as scheduled: 256 rows with --decodes 255
+    schedule = engine.scheduler.schedule
+
+    def schedule_noted(*a, **k):
+        out = schedule(*a, **k)
+        shapes.append((len(out.scheduled), out.num_batched_tokens))
+        return out
+    engine.scheduler.schedule = schedule_noted
     steps = []
     runner.measure_gpu_wait = engine.device.type == "cuda"
     paths_before = dict(runner.steps_by_path)
@@ -159,6 +206,7 @@ def measure(model_dir: str, args) -> dict:
             steps.append(ph)
         else:
             paths_before = dict(runner.steps_by_path)
+            shapes.clear()
     by_path = {k: v - paths_before[k] for k, v in runner.steps_by_path.items()}  # the measured steps' paths
     layers = engine.model_config.num_hidden_layers
     med = {k: statistics.median(s.get(k, 0.0) for s in steps) * 1e3 for k in PHASES + ("gpu_wait",)}
@@ -170,6 +218,8 @@ def measure(model_dir: str, args) -> dict:
     row["ops_per_step"] = count_ops(engine.step)
     row["layers"] = layers
     row["steps_by_path"] = by_path
+    row["seqs_per_step"] = sorted({n for n, _ in shapes[:args.steps]})  # one value when every step had the same
+    row["tokens_per_step"] = sorted({t for _, t in shapes[:args.steps]})  # shape (count_ops' step is not counted)
     if runner.piecewise is not None:
         row["piecewise_capture_s"] = round(runner.piecewise.capture_seconds, 2)
         row["piecewise_buckets"] = runner.piecewise.buckets

@@ -3,6 +3,8 @@
 * :func:`workload_256`: ``n`` requests (256), input and output lengths each uniform in ``[100, 1024]``, random
   token ids, ``ignore_eos`` so every request generates exactly its output length; ``seed`` 0. Deterministic: the
   same arguments give the same requests on any machine (Python's ``random``, no torch).
+* :func:`workload_id`: a digest of the requests, recorded beside each throughput figure (benchmarks/compare_e2e.py
+  compares throughput only between runs of the same requests).
 * :func:`workload_floor`: the least time the workload can take on a GPU of given peak FLOP/s and memory
   bandwidth: ``max(FLOPs / peak_flops, bytes / peak_bw)`` where FLOPs are the matmuls (2 x matmul parameters per
   token, prompt and output tokens) plus attention (4 x layers x query width x context per token), and bytes are
@@ -11,6 +13,7 @@
 """
 from __future__ import annotations
 
+import hashlib
 import random
 from dataclasses import dataclass
 
@@ -34,6 +37,15 @@ def workload_256(vocab: int, n: int = 256, lo: int = 100, hi: int = 1024, seed: 
     in_lens = [rng.randint(lo, hi) for _ in range(n)]
     out_lens = [rng.randint(lo, hi) for _ in range(n)]
     return [Request([rng.randrange(2, vocab) for _ in range(k)], o) for k, o in zip(in_lens, out_lens)]
+
+
+def workload_id(reqs: list[Request]) -> str:
+    """A digest of the requests (every prompt's token ids and every output length, in order): two runs with the same
+    id ran the same requests, whatever code drew them."""
+    h = hashlib.sha256()
+    for r in reqs:
+        h.update(f"{r.output_len}:{','.join(map(str, r.prompt))};".encode())
+    return f"sha256:{h.hexdigest()[:16]}"
 
 
 def peaks_for(gpu_name: str) -> tuple[float, float] | None:

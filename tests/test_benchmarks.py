@@ -245,3 +245,136 @@ def test_e2e_gpu_kernel_busy_glue_on_cpu(tiny_llama_dir):
     assert row["gpu_kernel_busy_256"] is None and row["kernel_busy_gpu_events"] == 0 and row["kernel_busy_requests"] == 2
     assert row["kernel_busy_steps_run"] >= 10  # one profiler step per engine step (2 requests of 10-40 new tokens)
     assert "execute" not in vars(runner) and "execute_async" not in vars(runner)  # the class methods again
+
+
+def _host_time_args(**kw):
+    import argparse
+
+    return argparse.Namespace(**{"device": "cpu", "dtype": "float32", "decodes": 3, "chunk": 13, "steps": 2,
+                                 "warmup": 1, "kv_mib": 16, "path": "eager", **kw})
+
+
+@pytest.fixture(scope="module")
+def host_time_model(tmp_path_factory):
+    """step_host_time's smollm2 shape at 1/8 of its widths (30 layers, as on the GPU)."""
+    import step_host_time
+
+    from common import write_random_checkpoint
+
+    cfg, model_cls = step_host_time.scaled_config("smollm2-135m", 8)
+    return str(write_random_checkpoint(cfg, model_cls, tmp_path_factory.mktemp("host") / "model", seed=0))
+
+
+def test_step_host_time_splits_the_piecewise_step(host_time_model, monkeypatch):
+    """On the piecewise path the forward is PiecewiseRunner.run (neither model.forward nor Attention.forward runs): its
+    replay is forward_ms, attention_ms its Attention.attend calls, not other_ms (both were 0 before). The pieces are
+    recorded on the CPU (RecordingBackend); every request is greedy (the sampler's random path syncs on CUDA)."""
+    import step_host_time
+
+    from lqe.engine.graph_backends import RecordingBackend
+    from lqe.engine.llm_engine import LLMEngine
+
+    temps = []
+    add = LLMEngine.add_request
+    monkeypatch.setattr(LLMEngine, "add_request",
+                        lambda self, rid, prompt, params, *a, **k: temps.append(params.temperature)
+                        or add(self, rid, prompt, params, *a, **k))
+    row = step_host_time.measure(host_time_model, _host_time_args(path="piecewise"), RecordingBackend())
+    assert row["steps_by_path"] == {"decode_graph": 0, "piecewise": 2, "eager": 0}
+    assert row["piecewise_buckets"] == [16] and row["seqs_per_step"] == [4] and row["tokens_per_step"] == [16]
+    assert row["forward_ms"] > row["attention_ms"] > 0 and row["forward_rest_ms"] > 0
+    assert row["other_ms"] < row["forward_ms"] / 4, row  # the replay is no longer left in other_ms
+    assert temps and set(temps) == {0}, temps
+    eager = step_host_time.measure(host_time_model, _host_time_args())
+    assert eager["steps_by_path"]["eager"] == 2 and eager["forward_ms"] > eager["attention_ms"] > 0
+
+
+def test_step_host_time_256_row_config():
+    """engine.sh's 256-row step (--decodes 255 beside the 224-token prompt): 256 sequences and 479 tokens a step,
+    the decodes' KV (qwen2.5-0.5b: 12 KiB a token) well inside the default 512 MiB."""
+    import step_host_time
+
+    cfg = step_host_time.engine_config("unused", _host_time_args(decodes=255, chunk=224, kv_mib=512))
+    assert cfg.max_num_seqs == 256 and cfg.max_num_batched_tokens == 479 and cfg.max_cudagraph_batch >= 256
+    kv_token = 24 * 2 * 2 * 64 * 2  # layers x (K, V) x kv heads x head_dim x bf16
+    blocks = (512 << 20) // (16 * kv_token)
+    assert blocks >= 255 * -(-(16 + 1 + 20 + 2 + 8) // 16) + -(-225 // 16)
+
+
+class _FakeEvent:
+    """A CUDA event on the CPU: ``record`` notes its place in the call log and a clock that advances 1 ms a call."""
+    log: list = []
+
+    def record(self) -> None:
+        self.t = len(_FakeEvent.log)
+        _FakeEvent.log.append("event")
+
+    def elapsed_time(self, end: "_FakeEvent") -> float:
+        return float(end.t - self.t)
+
+
+def test_e2e_gpu_busy_spans_start_after_the_inputs(tiny_llama_dir):
+    """gpu_busy_256's events, with fake events on the CPU: each step's span starts after its inputs are enqueued
+    (StepInputBuilder.fill returned) and ends after its sampled tokens' device-to-host copy (to_host_start), so the
+    host's input building and bookkeeping are outside; one span per step; the runner's methods are restored."""
+    import e2e_gpu
+
+    from lqe import LLM, SamplingParams
+
+    llm = LLM(tiny_llama_dir, max_model_len=128, kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=32)
+    runner = llm.llm_engine.runner
+    log = _FakeEvent.log
+    log.clear()
+    fill, to_host = runner.inputs.fill, runner.to_host_start
+    runner.inputs.fill = lambda *a, **k: (log.append("fill"), fill(*a, **k))[1]
+    runner.to_host_start = lambda *a, **k: (log.append("to_host"), to_host(*a, **k))[1]
+    mine = runner.inputs.fill, runner.to_host_start
+    t = e2e_gpu.throughput_256(llm, SamplingParams, 3, 200, 0, lo=40, hi=60, event=_FakeEvent)
+    assert (vars(runner.inputs)["fill"], vars(runner)["to_host_start"]) == mine  # what was there before
+    assert not {"execute", "execute_async"} & set(vars(runner))  # the class's methods again
+    assert t["out_tokens"] == sum(r.output_len for r in t["requests"]) and t["steps"] > 20
+    steps = "".join({"fill": "f", "event": "e", "to_host": "h"}[x] for x in log)
+    # per step: fill, start event, (prefill chunks that sample nothing: end event at return) or to_host, end event
+    assert steps.count("e") == 2 * t["steps"] and steps.replace("fehe", "").replace("fee", "") == "", steps
+    assert "fee" in steps and "fehe" in steps  # 40-60-token prompts in 32-token steps: a first chunk samples nothing
+    assert t["gpu_s"] == pytest.approx((2 * steps.count("fehe") + steps.count("fee")) / 1e3)  # 1 ms a log entry
+
+
+def test_benchmark_commit_from_the_environment(monkeypatch):
+    """A GPU machine's copy of the tree may have no .git: LQE_COMMIT names the commit measured."""
+    import common
+
+    monkeypatch.setenv("LQE_COMMIT", "abc1234")
+    assert common.commit() == "abc1234" and common.env_info()["lqe_commit"] == "abc1234"
+    monkeypatch.delenv("LQE_COMMIT")
+    assert common.commit() != "abc1234"
+
+
+def test_e2e_gpu_quick_run_keeps_the_rows_it_does_not_measure(tmp_path, monkeypatch, capsys):
+    """``e2e_gpu.py --quick`` runs no llama3-8b row. Writing into an empty --out-dir (the GPU scripts' $OUT), it starts
+    from the committed file of the same name, so its file still holds every committed row it did not measure (each
+    with its own commit) and the measured ones replaced, stamped with LQE_COMMIT; the run lists the kept rows."""
+    import e2e_gpu
+
+    name = "e2e-nvidia-h100-80gb-hbm3.json"
+    with open(os.path.join(REPO, "benchmarks", "results", name)) as f:
+        committed = json.load(f)
+    monkeypatch.setattr(e2e_gpu.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(e2e_gpu.torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(e2e_gpu, "environment", lambda: {"lqe_commit": e2e_gpu.commit()})
+    monkeypatch.setattr(e2e_gpu, "build_random_model", lambda shape, out_dir, seed: out_dir)
+    monkeypatch.setattr(e2e_gpu, "run_variant", lambda model_dir, args, vocab, shape: {"decode_tok_s_bs1": 1.0})
+    monkeypatch.setenv("LQE_COMMIT", "feed123")
+    out = tmp_path / "out"
+    assert e2e_gpu.main(["--quick", "--variants", "bf16", "--out-dir", str(out), "--work-dir", str(tmp_path)]) == 0
+    doc = json.loads((out / name).read_text())
+    rows = {(r["model_shape"], r["variant"]): r for r in doc["rows"]}
+    old = {(r["model_shape"], r["variant"]): r for r in committed["rows"]}
+    assert set(rows) == set(old)
+    for key, r in rows.items():
+        if key in (("smollm2-135m", "bf16"), ("qwen2.5-0.5b", "bf16")):
+            assert r["decode_tok_s_bs1"] == 1.0 and r["commit"] == "feed123" and r["num_requests"] == 32
+        else:
+            assert r == old[key]  # kept whole: the llama3-8b row of the --quick run among them
+    assert doc["env"]["lqe_commit"] == "feed123" and doc["notes"] == committed["notes"]
+    assert "not measured in this run: llama3-8b/bf16" in capsys.readouterr().out

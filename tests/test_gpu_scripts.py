@@ -179,3 +179,24 @@ def test_run_gpu_counts_a_cut_test_group_as_not_run(tmp_path):
     summary = json.loads((out / "gpu-stub-gpu.json").read_text())
     assert summary["tests"]["passed"] == 1 and summary["tests"]["not_run"] == 1, summary["tests"]
     assert summary["stages"]["tests"] == "exit 124 (timed out)"
+
+
+def test_run_gpu_in_two_calls_keeps_the_first_calls_results(tmp_path):
+    """The gate in two calls: the second (tests and kernels skipped by name) keeps the first's test counts and
+    stage results in gpu-<slug>.json instead of reporting them as skipped."""
+    import json
+    import shutil
+
+    proc, _, out = _dry_run(tmp_path, [], LQE_SKIP="e2e calib")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    first = json.loads((out / "gpu-stub-gpu.json").read_text())
+    assert first["stages"]["e2e"] == "skipped" and first["tests"]["passed"] == 2
+    for d in ("bin", "site"):
+        shutil.rmtree(tmp_path / d)
+    (tmp_path / "calls.log").unlink()
+    proc, calls, out = _dry_run(tmp_path, [], LQE_SKIP="tests kernels")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not _ran(calls, "-m pytest")
+    both = json.loads((out / "gpu-stub-gpu.json").read_text())
+    assert both["tests"] == first["tests"]
+    assert all(v == "ok" for v in both["stages"].values()), both["stages"]

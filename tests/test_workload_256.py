@@ -50,3 +50,17 @@ def test_busy_union_counts_overlaps_once():
     assert busy_union([(0, 10)]) == (10, 10)
     # overlapping (two streams), nested, touching, then gaps: busy 10 + 11 + 3, span 0..33
     assert busy_union([(12, 20), (0, 10), (2, 8), (15, 17), (20, 22), (22, 23), (30, 33)]) == (10 + 11 + 3, 33)
+
+
+def test_workload_id_names_the_requests():
+    """e2e rows record workload_id beside throughput (benchmarks/compare_e2e.py compares throughput only between equal
+    ids). Pinned: the 32 requests of ``e2e_gpu.py --quick`` on the smollm2 vocabulary; a change to the generator makes
+    the committed throughput rows incomparable, so change this only with them."""
+    from workload import workload_id
+
+    a = workload_256(49152, 32)
+    assert sum(r.output_len for r in a) == 17947
+    assert workload_id(a) == workload_id(workload_256(49152, 32)) == "sha256:6ed173c5ad497b1c"
+    assert workload_id(workload_256(49152, 32, seed=1)) != workload_id(a)
+    assert workload_id(a[:31]) != workload_id(a) and workload_id(workload_256(151936, 32)) != workload_id(a)
+    assert workload_id([Request([5, 6], 3)]) != workload_id([Request([5], 63)])  # fields kept apart
