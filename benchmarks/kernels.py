@@ -1,13 +1,16 @@
 """GEMM kernel benchmark on Llama-3-8B layer shapes: lqe W4A16 / W8A8 / FP8 against cuBLAS bf16,
 torch._weight_int4pack_mm, torch._int_mm and torch._scaled_mm, with device-to-device copy bandwidth as the
 memory roofline. Weights are rotated over enough copies to exceed the L2 cache. Two more columns show what a
-model pays per layer with the op producing its input (RMSNorm, or SiLU-mul for down_proj): cuBLAS bf16 after the
-float op, W8A8 after the float op and a separate per-token quantization, and W8A8 after the op fused with the
-quantization (lqe/kernels/fused_quant.py). The W8A8 / FP8 GEMV, fp8 GEMM and layer rows (lqe-w8a8-layer,
-lqe-fp8-layer: producer fused with the quantization + GEMM, against producer + cuBLAS bf16) come from
-benchmarks/kernels_w8a8.py; every row carries its byte / FLOP floor and the run prints the W8A8 / FP8 tables it implies.
+model pays per layer with the op producing its input (RMSNorm for qkv / gate_up, SiLU-mul for down_proj; none for
+o_proj, whose input is the attention output: :func:`producer_of`): cuBLAS bf16 after the float op, W8A8 after the
+float op and a separate per-token quantization, and W8A8 after the op fused with the quantization
+(lqe/kernels/fused_quant.py). The W8A8 / FP8 GEMV, fp8 GEMM and layer rows (lqe-w8a8-layer, lqe-fp8-layer: producer
+fused with the quantization + GEMM, against producer + cuBLAS bf16; for o_proj the standalone quantizer + GEMM against
+cuBLAS bf16 alone) come from benchmarks/kernels_w8a8.py; every row carries its byte / FLOP floor and the run prints the
+W8A8 / FP8 tables it implies after every shape (and saves them in the JSON).
 
-    python benchmarks/kernels.py [--m 1 16 128] [--shapes 4096x4096] [--out results.json]
+    python benchmarks/kernels.py [--m 1 16 128] [--shapes 4096x4096] [--rows w8a8,fp8] [--out results.json]
+    python benchmarks/kernels.py --w8a8-sweep | --fp8-sweep | --wna16-sweep | --w4a16 [--m ...] [--shapes ...]
 """
 from __future__ import annotations
 
@@ -23,6 +26,14 @@ from pathlib import Path
 import torch
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # K x N: qkv, o, gate_up, down
+# --rows groups: which rows each times (cublas-bf16, the baseline, always runs)
+ROW_GROUPS = {
+    "w4a16": ("lqe-w4a16", "lqe-w4a16-fused", "lqe-w4a16-dequant", "triton-wna16", "triton-dequant+cublas",
+              "triton-dequant-only", "torch-int4pack", "lqe-w4a16-mma", "lqe-w4a16-mma-dequant+cublas"),
+    "w8a8": ("lqe-w8a8", "torch-int-mm", "triton-w8a8", "int-mm+epilogue", "w8a8-table+quant", "triton-gemv",
+             "lqe-w8a8-layer"),
+    "fp8": ("triton-gemv-fp8", "triton-fp8", "lqe-fp8-layer", "lqe-fp8-block-layer", "lqe-fp8/torch-scaled-mm"),
+}
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024]
 L2_BYTES = 50 * 2**20
 ROTATE_BYTES = 4 * L2_BYTES
@@ -97,9 +108,61 @@ def add_int4pack_row(out: dict, k: int, n: int, dev: str = "cuda") -> None:
         print(f"# torch-int4pack skipped: {type(e).__name__}: {str(e)[:120]}")
 
 
-def candidates(k: int, n: int):
-    """``name -> (setup(x) -> fn, weight_bytes[, {column: setup(x) -> fn}])`` for every kernel that can run here,
-    plus skip notes; the optional third element times the model columns (:func:`add_model_columns`)."""
+def row_group(name: str) -> str | None:
+    """The --rows group of row ``name`` (None: the cuBLAS baseline, or unknown)."""
+    return next((g for g, names in ROW_GROUPS.items() if name in names), None)
+
+
+def carried_rows(path: Path, gpu: str) -> list[dict]:
+    """The rows of an earlier run in ``path`` on the same GPU, marked ``carried_over`` (with that run's commit), for
+    a ``--rows`` run to keep beside its own: the W8A8 stage re-times its groups without erasing the W4A16 rows the
+    gate wrote into the same kernels-<gpu>.json. Each row's ratio is from its own run."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    if old.get("device") != gpu:
+        return []
+    commit = old.get("commit") or (old.get("env") or {}).get("lqe_commit")
+    return [{**r, "carried_over": r.get("carried_over", commit or True)} for r in old.get("rows", [])
+            if {"kernel", "shape", "m"} <= r.keys()]
+
+
+def parse_rows(spec: str | None) -> frozenset[str]:
+    """``--rows w8a8,fp8`` -> the groups (all of :data:`ROW_GROUPS` when not given); unknown names are an error."""
+    if not spec:
+        return frozenset(ROW_GROUPS)
+    groups = frozenset(g.strip() for g in spec.split(",") if g.strip())
+    bad = sorted(groups - set(ROW_GROUPS))
+    if bad:
+        raise SystemExit(f"--rows: unknown group(s) {', '.join(bad)} (known: {', '.join(ROW_GROUPS)})")
+    return groups
+
+
+def add_w4a16_rows(out: dict, k: int, n: int, dev: str = "cuda") -> None:
+    """The W4A16 rows on weights in the layout each row's name says, whatever dispatch.WNA16_TABLE names:
+    ``lqe-w4a16`` on what :func:`select_w4a16_kernel` gives a layer (the layer path: the mma layout once the table
+    names lqe-w4a16-mma), ``lqe-w4a16-fused`` / ``-dequant`` and the Triton rows on an explicit
+    :func:`repack_wna16`, the ``lqe-w4a16-mma*`` rows on an explicit ``repack_mma``."""
+    import lqe.kernels as lk
+
+    w4bytes = k * n // 2 + (k // 128) * n * 2
+    layer = rotating(lambda: lk.select_w4a16_kernel(random_w4(k, n, dev), dev, torch.bfloat16)[0].packed, w4bytes)
+    p4 = rotating(lambda: lk.repack_wna16(random_w4(k, n, dev), torch.bfloat16), w4bytes)
+    for name, path, packed in [("lqe-w4a16", "auto", layer), ("lqe-w4a16-fused", "fused", p4),
+                               ("lqe-w4a16-dequant", "dequant", p4)]:
+        out[name] = ((lambda path, packed: lambda x: (lambda p=cycler(packed): lambda: lk.wna16_gemm(
+            x, p(), path=path))())(path, packed), w4bytes)
+    add_wna16_candidates(out, k, n, p4, w4bytes, dev)
+    from kernels_w4a16 import add_mma_rows  # lqe-w4a16-mma candidate rows (issue 24)
+
+    add_mma_rows(out, k, n, rotating, cycler, dev)
+
+
+def candidates(k: int, n: int, groups: frozenset[str] = frozenset(ROW_GROUPS)):
+    """``name -> (setup(x) -> fn, weight_bytes[, {column: setup(x) -> fn}])`` for every kernel of the ``groups``
+    (:data:`ROW_GROUPS`) that can run here, plus skip notes; the optional third element times the model columns
+    (:func:`add_model_columns`)."""
     import lqe.kernels as lk
     from lqe.kernels import w8a8
 
@@ -108,42 +171,36 @@ def candidates(k: int, n: int):
     ws = rotating(lambda: torch.randn(k, n, device=dev, dtype=torch.bfloat16) * 0.02, wbytes_bf16)
     out["cublas-bf16"] = (lambda x: (lambda w=cycler(ws): lambda: torch.matmul(x, w()))(), wbytes_bf16)
 
-    if lk.available():
-        def make_w4():
-            return lk.select_w4a16_kernel(random_w4(k, n, dev), dev, torch.bfloat16)[0].packed
-        w4bytes = k * n // 2 + (k // 128) * n * 2
-        p4 = rotating(make_w4, w4bytes)
-        for name, path in [("lqe-w4a16", "auto"), ("lqe-w4a16-fused", "fused"), ("lqe-w4a16-dequant", "dequant")]:
-            out[name] = ((lambda path: lambda x: (lambda p=cycler(p4): lambda: lk.wna16_gemm(x, p(), path=path))())(path), w4bytes)
-        add_wna16_candidates(out, k, n, p4, w4bytes)
-        from kernels_w4a16 import add_mma_rows  # lqe-w4a16-mma candidate rows (issue 24)
+    if "w4a16" in groups:
+        if lk.available():
+            add_w4a16_rows(out, k, n, dev)
+        else:
+            print(f"# lqe kernels unavailable: {lk.unavailable_reason()}")
+        add_int4pack_row(out, k, n, dev)
 
-        add_mma_rows(out, k, n, rotating, cycler)
+    plans = wi8 = None
+    if "w8a8" in groups:
+        if lk.available():
+            def make_w8():
+                wq = torch.randint(-127, 128, (k, n), dtype=torch.int8, device=dev)
+                return lk.repack_w8a8(wq, torch.rand(n, device=dev) * 0.01)
+            p8 = rotating(make_w8, k * n)
 
-        def make_w8():
-            wq = torch.randint(-127, 128, (k, n), dtype=torch.int8, device=dev)
-            return lk.repack_w8a8(wq, torch.rand(n, device=dev) * 0.01)
-        p8 = rotating(make_w8, k * n)
+            def setup_w8a8(x):
+                q, s, _ = w8a8.quantize_per_token(x)
+                p = cycler(p8)
+                return lambda: w8a8.w8a8_gemm(q, s, p(), out_dtype=torch.bfloat16)
+            out["lqe-w8a8"] = (setup_w8a8, k * n)
+        wi8 = rotating(lambda: torch.randint(-127, 128, (n, k), dtype=torch.int8, device=dev).t(), k * n)
+        out["torch-int-mm"] = (lambda x: (lambda xq=torch.randint(-127, 128, x.shape, dtype=torch.int8, device=dev),
+                                                 c=cycler(wi8): lambda: torch._int_mm(xq, c()))(), k * n)
+        plans = add_w8a8_candidates(out, k, n, wi8)
+    if groups & {"w8a8", "fp8"}:
+        add_model_columns(out, k, n, ws, plans)
+        from kernels_w8a8 import add_w8a8_fp8_rows  # W8A8 / FP8 GEMV, fp8 GEMM and layer rows (issue 25)
 
-        def setup_w8a8(x):
-            q, s, _ = w8a8.quantize_per_token(x)
-            p = cycler(p8)
-            return lambda: w8a8.w8a8_gemm(q, s, p(), out_dtype=torch.bfloat16)
-        out["lqe-w8a8"] = (setup_w8a8, k * n)
-    else:
-        print(f"# lqe kernels unavailable: {lk.unavailable_reason()}")
-
-    add_int4pack_row(out, k, n, dev)
-
-    wi8 = rotating(lambda: torch.randint(-127, 128, (n, k), dtype=torch.int8, device=dev).t(), k * n)
-    out["torch-int-mm"] = (lambda x: (lambda xq=torch.randint(-127, 128, x.shape, dtype=torch.int8, device=dev),
-                                             c=cycler(wi8): lambda: torch._int_mm(xq, c()))(), k * n)
-    plans = add_w8a8_candidates(out, k, n, wi8)
-    add_model_columns(out, k, n, ws, plans)
-    from kernels_w8a8 import add_w8a8_fp8_rows  # W8A8 / FP8 GEMV, fp8 GEMM and layer rows (issue 25)
-
-    add_w8a8_fp8_rows(out, k, n, rotating, cycler, producer_of(k, n), plans, wi8)
-    if w8a8.fp8_supported() is None:
+        add_w8a8_fp8_rows(out, k, n, rotating, cycler, producer_of(k, n), plans, wi8, groups)
+    if "fp8" in groups and w8a8.fp8_supported() is None:
         f8 = rotating(lambda: w8a8.fp8_quantize_weight(torch.randn(k, n, device=dev) * 0.02), k * n)
 
         def setup_fp8(x):
@@ -151,22 +208,23 @@ def candidates(k: int, n: int):
             c = cycler(f8)
             return lambda: w8a8.fp8_gemm(xq, xs, *c())
         out["lqe-fp8/torch-scaled-mm"] = (setup_fp8, k * n)
-    return out
+    return {name: v for name, v in out.items() if name == "cublas-bf16" or row_group(name) in groups}
 
 
-def add_wna16_candidates(out: dict, k: int, n: int, p4: list, w4bytes: int) -> None:
-    """Triton W4A16 rows on the same packed weights as lqe-w4a16 (lqe/kernels/triton_wna16.py): the GEMM with
-    its table config, dequantize + cuBLAS, and the dequantize kernel alone (bytes: packed read + bf16 write)."""
+def add_wna16_candidates(out: dict, k: int, n: int, p4: list, w4bytes: int, dev: str = "cuda") -> None:
+    """Triton W4A16 rows on the wna16-layout packed weights ``p4`` (lqe/kernels/triton_wna16.py; build them with
+    :func:`repack_wna16`): the GEMM with its table config, dequantize + cuBLAS, and the dequantize kernel alone
+    (bytes: packed read + bf16 write)."""
     import lqe.kernels as lk
     from lqe.kernels import triton_wna16 as tw
 
-    if tw.unavailable_reason("cuda") is not None:
-        print(f"# triton-wna16 skipped: {tw.unavailable_reason('cuda')}")
+    if tw.unavailable_reason(dev) is not None:
+        print(f"# triton-wna16 skipped: {tw.unavailable_reason(dev)}")
         return
     for name, path in [("triton-wna16", "triton-wna16"), ("triton-dequant+cublas", "triton-dequant+cublas")]:
         out[name] = ((lambda path: lambda x: (lambda p=cycler(p4): lambda: lk.wna16_gemm(x, p(), path=path))())(path),
                      w4bytes)
-    wbuf = torch.empty(k, n, device="cuda", dtype=torch.bfloat16)
+    wbuf = torch.empty(k, n, device=dev, dtype=torch.bfloat16)
     out["triton-dequant-only"] = ((lambda x: (lambda p=cycler(p4): lambda: tw.dequantize(p(), wbuf))()),
                                   w4bytes + k * n * 2)
 
@@ -184,8 +242,8 @@ def wna16_sweep(shapes: list[str], ms: list[int], on_shape=None) -> list[dict]:
         k, n = map(int, shape.split("x"))
         wb = rotating(lambda: torch.randn(k, n, device="cuda", dtype=torch.bfloat16) * 0.02, k * n * 2)
 
-        def make_w4():
-            return lk.select_w4a16_kernel(random_w4(k, n), "cuda", torch.bfloat16)[0].packed
+        def make_w4():  # the wna16 layout these paths read, whatever WNA16_TABLE names
+            return lk.repack_wna16(random_w4(k, n), torch.bfloat16)
         p4 = rotating(make_w4, k * n // 2)
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -248,27 +306,31 @@ def add_w8a8_candidates(out: dict, k: int, n: int, wi8: list) -> list | None:
     return plans
 
 
-def producer_of(k: int, n: int) -> str:
-    """The op that produces a ``K x N`` layer's input in a Llama block: SiLU-mul for down_proj (K > N), RMSNorm for
-    the others (qkv and gate_up; o_proj's input really is the attention output, its row shows the norm anyway)."""
-    return "silu" if k > n else "rmsnorm"
+def producer_of(k: int, n: int) -> str | None:
+    """The op that produces a ``K x N`` layer's input in a Llama block, the one a W8A8 / FP8 model fuses the
+    quantization into (lqe/models/llama.py ``act_quant_pairs``): SiLU-mul for down_proj (K > N), RMSNorm for qkv and
+    gate_up (K < N), none for o_proj (K == N: its input is the attention output, quantized by the layer itself)."""
+    return "silu" if k > n else None if k == n else "rmsnorm"
 
 
 def add_model_columns(out: dict, k: int, n: int, ws_bf16: list, plans: list | None) -> None:
     """Columns with what a model pays per layer, the op producing its input included (:func:`producer_of`):
-    ``model_us`` on cublas-bf16 (producer + matmul) and on w8a8-table+quant (producer, separate per-token
-    quantization, table GEMM), and ``model_fused_us`` on w8a8-table+quant (the producer fused with the
-    quantization, lqe/kernels/fused_quant.py, then the table GEMM)."""
+    ``model_us`` on cublas-bf16 (producer + matmul: the baseline of the layer rows) and on w8a8-table+quant
+    (producer, separate per-token quantization, table GEMM), and ``model_fused_us`` on w8a8-table+quant (the producer
+    fused with the quantization, lqe/kernels/fused_quant.py, then the table GEMM). With no producer (o_proj) the
+    model runs the matmul alone, or the standalone quantization + GEMM, and there is no fused column."""
     from lqe.kernels import fused_ops as fo
     from lqe.kernels import fused_quant as fq
     from lqe.kernels import w8a8
 
-    if plans is None or not fq.HAS_TRITON:
+    if not fq.HAS_TRITON:
         return
     producer = producer_of(k, n)
 
     def ops(x):
-        """(float producer, fused producer -> (q, scale)) on inputs shaped for ``x [M, K]``."""
+        """(float producer, fused producer -> (q, scale) or None) on inputs shaped for ``x [M, K]``."""
+        if producer is None:
+            return (lambda: x), None
         if producer == "silu":
             a = torch.randn(x.shape[0], 2 * k, device=x.device, dtype=x.dtype)
             return (lambda: fo.silu_and_mul(a)), (lambda: fq.silu_mul_quant_int8(a))
@@ -288,22 +350,42 @@ def add_model_columns(out: dict, k: int, n: int, ws_bf16: list, plans: list | No
         return lambda: w8a8.w8a8_apply(*f(), c(), out_dtype=torch.bfloat16)
 
     out["cublas-bf16"] = (*out["cublas-bf16"][:2], {"model_us": bf16})
-    out["w8a8-table+quant"] = (*out["w8a8-table+quant"][:2], {"model_us": unfused, "model_fused_us": fused})
+    if plans is not None:
+        cols = {"model_us": unfused} if producer is None else {"model_us": unfused, "model_fused_us": fused}
+        out["w8a8-table+quant"] = (*out["w8a8-table+quant"][:2], cols)
+
+
+def sweep_done(kind: str, by_m: dict, cfgs: dict, num_shapes: int, gpu: str, note: str = "") -> dict[str, list]:
+    """Print the geo-mean ranking and the paste-able tables the timings of ``num_shapes`` shapes imply (after every
+    shape: a sweep cut by its time limit still says what it found); return the tables (saved in the JSON)."""
+    import kernels_w8a8 as kw8
+
+    print_geomeans(kind.upper(), by_m, num_shapes, top=4)
+    tables = kw8.implied_sweep_tables(by_m, cfgs, num_shapes, kind)
+    kw8.print_sweep_tables(tables, gpu, num_shapes, note)
+    return tables
 
 
 def w8a8_sweep(shapes: list[str], ms: list[int], copy_gbps: float, on_shape=None) -> list[dict]:
-    """Time every candidate tile config of lqe/kernels/triton_w8a8.py (sweep_configs) per shape and M, beside
-    cuBLAS bf16, int-mm+epilogue and lqe-w8a8 of the same run; print the best per M and a suggested table."""
+    """Time every candidate tile config of lqe/kernels/triton_w8a8.py and, for M <= 16, of the GEMV
+    (triton_gemv_w8a8.py) (sweep_configs: labels with the unresolved split-K, ``skauto``, so one label covers every
+    shape) per shape and M, beside cuBLAS bf16, int-mm+epilogue, lqe-w8a8 and ``table`` (what W8A8_TABLE and the
+    current CONFIGS run) of the same run; print the best per M, the geo-mean ranking and the tables it implies
+    (``CONFIGS`` of both modules and ``W8A8_TABLE``, paste-able) after every shape. ``on_shape(rows, tables)``."""
+    from lqe.kernels import triton_gemv_w8a8 as tg
     from lqe.kernels import triton_w8a8 as tw
     from lqe.kernels import w8a8
 
-    rows, best_by_m = [], {}
-    for shape in shapes:
+    gpu = torch.cuda.get_device_name()
+    rows, by_m, cfgs = [], {}, {}
+    for i, shape in enumerate(shapes):
         k, n = map(int, shape.split("x"))
         wi8 = rotating(lambda: torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda").t(), k * n)
         wb = rotating(lambda: torch.randn(k, n, device="cuda", dtype=torch.bfloat16) * 0.02, k * n * 2)
         ws = torch.rand(n, device="cuda") * 0.01
-        tw.reserve_workspace("cuda", max(ms) if max(ms) <= 64 else 64, n)
+        tw.reserve_workspace("cuda", max(tw.workspace_rows(), max(ms) if max(ms) <= 64 else 64), n)
+        tg.reserve_workspace("cuda", n)
+        plans = [w8a8.plan_w8a8(w.t(), ws, torch.bfloat16, False)[0] for w in wi8]
         p8 = None
         try:
             import lqe.kernels as lk
@@ -324,29 +406,97 @@ def w8a8_sweep(shapes: list[str], ms: list[int], copy_gbps: float, on_shape=None
             if p8 is not None:
                 timed["lqe-w8a8"] = bench((lambda c=cycler(p8): lambda: w8a8.w8a8_gemm(q, s, c(), out=o))())
             for cfg in tw.sweep_configs(m):
+                label = f"triton-w8a8:{cfg}"
                 try:
-                    timed[f"triton-w8a8:{cfg}"] = bench((lambda c=cycler(wi8), cfg=cfg: lambda: tw.w8a8_mm(
+                    timed[label] = bench((lambda c=cycler(wi8), cfg=cfg: lambda: tw.w8a8_mm(
                         q, s, c().t(), ws, out=o, config=cfg))(), reps=30)
+                    cfgs[label] = cfg
                 except Exception as e:  # noqa: BLE001 -- a config that does not compile / fit is skipped
                     print(f"# {shape} M={m} {cfg}: {type(e).__name__}: {str(e)[:100]}")
-            if m <= 16:  # the GEMV (lqe/kernels/triton_gemv_w8a8.py) and its candidate configs
-                from lqe.kernels import triton_gemv_w8a8 as tg
-
-                tg.reserve_workspace("cuda", n)
+            if m <= tg.MAX_M:  # the GEMV and its candidate configs
                 for cfg in tg.sweep_configs(m):
+                    label = f"triton-gemv:{cfg}"
                     try:
-                        timed[f"triton-gemv:{cfg}"] = bench((lambda c=cycler(wi8), cfg=cfg: lambda: tg.gemv_w8a8(
+                        timed[label] = bench((lambda c=cycler(wi8), cfg=cfg: lambda: tg.gemv_w8a8(
                             q, s, c().t(), ws, out=o, config=cfg))(), reps=30)
+                        cfgs[label] = cfg
                     except Exception as e:  # noqa: BLE001 -- a config that does not compile / fit is skipped
                         print(f"# {shape} M={m} gemv {cfg}: {type(e).__name__}: {str(e)[:100]}")
-            table_cfg = tw.pick_config(m, n, k, torch.device("cuda"))
-            timed[f"triton-w8a8(table {table_cfg})"] = bench((lambda c=cycler(wi8): lambda: tw.w8a8_mm(
-                q, s, c().t(), ws, out=o))())
-            record_sweep(rows, best_by_m, f"sweep {shape} M={m}: cublas-bf16 {base:.2f} us", shape, m, base, timed,
+            if plans[0] is not None:  # what a layer runs today: W8A8_TABLE, then that kernel's current CONFIGS
+                timed["table"] = bench((lambda c=cycler(plans): lambda: w8a8.w8a8_apply(
+                    q, s, c(), out_dtype=torch.bfloat16))())
+            record_sweep(rows, by_m, f"sweep {shape} M={m}: cublas-bf16 {base:.2f} us", shape, m, base, timed,
                          top=4)
+        del wi8, wb, plans, p8
+        torch.cuda.empty_cache()
+        tables = sweep_done("w8a8", by_m, cfgs, i + 1, gpu, f", after {shape}")
         if on_shape:
-            on_shape(rows)
-    print_geomeans("W8A8", best_by_m, len(shapes), top=3)
+            on_shape(rows, tables)
+    return rows
+
+
+def fp8_sweep(shapes: list[str], ms: list[int], copy_gbps: float, on_shape=None) -> list[dict]:
+    """Time every candidate config of the Triton fp8 GEMM (lqe/kernels/triton_fp8.py sweep_configs), per channel and
+    128 x 128 block-scaled (the configs the block kernel takes as they are: BLOCK_K 128, BLOCK_N <= 128), and for
+    M <= 16 of the fp8 GEMV (triton_gemv_w8a8.py), per shape and M, beside cuBLAS bf16, ``scaled-mm``
+    (torch._scaled_mm, row-wise scales), ``table`` (FP8_TABLE with the current configs) and ``block-table`` (the
+    current block-scaled config); print the best per M, the geo-mean ranking and the paste-able tables it implies
+    (triton_fp8 ``CONFIGS`` / ``BLOCK_CONFIGS``, triton_gemv_w8a8 ``FP8_CONFIGS``, ``FP8_TABLE``) after every shape.
+    Activations quantized as the layer's own path does (per token; 1 x 128 groups for the block kernel)."""
+    import kernels_w8a8 as kw8
+
+    from lqe.kernels import triton_fp8 as tf
+    from lqe.kernels import triton_gemv_w8a8 as tg
+    from lqe.kernels import w8a8
+
+    if w8a8.fp8_supported() is not None:
+        print(f"# fp8 sweep skipped: {w8a8.fp8_supported()}")
+        return []
+    gpu = torch.cuda.get_device_name()
+    rows, by_m, cfgs = [], {}, {}
+    for i, shape in enumerate(shapes):
+        k, n = map(int, shape.split("x"))
+        f8 = kw8.rotating_fp8(rotating, k, n)
+        wb = rotating(lambda: torch.randn(k, n, device="cuda", dtype=torch.bfloat16) * 0.02, k * n * 2)
+        blocks = [(wq, torch.rand(-(-n // 128), k // 128, device="cuda") * 0.01) for wq, _ in f8] if k % 128 == 0 \
+            else None
+        tf.reserve_workspace("cuda", n)
+        tg.reserve_workspace("cuda", n)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            xq, xs = w8a8.fp8_quantize_per_token(x)
+            o = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            base = bench((lambda c=cycler(wb): lambda: torch.matmul(x, c()))())
+            timed = {"scaled-mm": bench((lambda c=cycler(f8): lambda: (lambda t: w8a8.fp8_gemm(xq, xs, *t))(c()))()),
+                     "table": bench((lambda c=cycler(f8): lambda: (lambda t: w8a8.fp8_apply(xq, xs, *t))(c()))())}
+
+            def sweep(prefix, configs, weights, run):
+                for cfg in configs:
+                    try:
+                        timed[f"{prefix}:{cfg}"] = bench((lambda c=cycler(weights), cfg=cfg: lambda: run(c(), cfg))(),
+                                                         reps=30)
+                        cfgs[f"{prefix}:{cfg}"] = cfg
+                    except Exception as e:  # noqa: BLE001 -- a config that does not compile / fit is skipped
+                        print(f"# {shape} M={m} {prefix} {cfg}: {type(e).__name__}: {str(e)[:100]}")
+            sweep("triton-fp8", tf.sweep_configs(m), f8,
+                  lambda t, cfg: tf.fp8_mm(xq, xs, t[0], t[1], out=o, config=cfg))
+            if m <= tg.MAX_M:
+                sweep("triton-gemv", tg.sweep_configs(m), f8,
+                      lambda t, cfg: tg.gemv_w8a8(xq, xs, t[0], t[1], out=o, config=cfg))
+            if blocks is not None:
+                gq, gs = w8a8.fp8_quantize_group(x, tf.SCALE_BLOCK)
+                timed["block-table"] = bench((lambda c=cycler(blocks): lambda: (
+                    lambda t: w8a8.fp8_block_apply_quantized(gq, gs, *t))(c()))())
+                sweep("triton-fp8-block", [c for c in tf.sweep_configs(m) if c.block_k == tf.SCALE_BLOCK
+                                           and c.block_n <= tf.SCALE_BLOCK], blocks,
+                      lambda t, cfg: tf.fp8_mm(gq, gs, t[0], t[1], out=o, config=cfg, block_scale=True))
+            record_sweep(rows, by_m, f"fp8 sweep {shape} M={m}: cublas-bf16 {base:.2f} us", shape, m, base, timed,
+                         top=4)
+        del f8, wb, blocks
+        torch.cuda.empty_cache()
+        tables = sweep_done("fp8", by_m, cfgs, i + 1, gpu, f", after {shape}")
+        if on_shape:
+            on_shape(rows, tables)
     return rows
 
 
@@ -378,14 +528,22 @@ def main(argv=None) -> int:
     ap.add_argument("--m", type=int, nargs="*", default=MS)
     ap.add_argument("--shapes", nargs="*", default=[f"{k}x{n}" for k, n in SHAPES])
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels-<gpu>.json, or $OUT)")
+    ap.add_argument("--rows", default=None,
+                    help=f"comma-separated row groups to time ({', '.join(ROW_GROUPS)}; default all): e.g. w8a8,fp8 "
+                         "(cublas-bf16, the baseline, always runs)")
     ap.add_argument("--w8a8-sweep", action="store_true",
-                    help="only time every triton-w8a8 tile config (and int-mm+epilogue, lqe-w8a8) per shape and M")
+                    help="only time every triton-w8a8 / int8 GEMV config (and int-mm+epilogue, lqe-w8a8, the current "
+                         "table) per shape and M; print the CONFIGS / W8A8_TABLE they imply")
+    ap.add_argument("--fp8-sweep", action="store_true",
+                    help="only time every triton-fp8 (per-channel and block-scaled) / fp8 GEMV config (and "
+                         "torch._scaled_mm, the current tables) per shape and M; print the configs / FP8_TABLE they imply")
     ap.add_argument("--wna16-sweep", action="store_true",
                     help="only time every triton-wna16 config (and the CUDA GEMM, dequant+cuBLAS) per shape and M")
     ap.add_argument("--w4a16", action="store_true",
                     help="only the W4A16 rows (lqe-w4a16-mma, layer path, int4pack, triton, dequant+cuBLAS, cuBLAS "
                          "bf16; benchmarks/kernels_w4a16.py) and the WNA16_MMA_TABLE they imply")
     args = ap.parse_args(argv)
+    groups = parse_rows(args.rows)
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py: no CUDA device (torch.cuda.is_available() is False); nothing to measure.")
         return 2
@@ -398,35 +556,46 @@ def main(argv=None) -> int:
     import kernels_w8a8 as kw8
 
     tag = "".join(c if c.isalnum() else "-" for c in gpu).strip("-").lower()
+    modes = "".join(f"-{name}" for name, on in (("w8a8-sweep", args.w8a8_sweep), ("fp8-sweep", args.fp8_sweep),
+                                                ("wna16-sweep", args.wna16_sweep), ("w4a16", args.w4a16)) if on)
     path = Path(args.out) if args.out else (Path(os.environ["OUT"]) if os.environ.get("OUT") else
-                                            Path(__file__).parent / "results") / \
-        f"kernels{'-w8a8-sweep' if args.w8a8_sweep else ''}{'-wna16-sweep' if args.wna16_sweep else ''}{'-w4a16' if args.w4a16 else ''}-{tag}.json"
+                                            Path(__file__).parent / "results") / f"kernels{modes}-{tag}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
+    implied: dict = {}
+    kept = carried_rows(path, gpu) if groups != frozenset(ROW_GROUPS) else []
 
-    def save(rows: list[dict], implied: dict | None = None) -> None:
-        """Write what is measured so far (after every shape: a run cut by its time limit keeps its rows)."""
-        path.write_text(json.dumps({"device": gpu, "env": env, "copy_gbps": round(copy_gbps, 1), "rows": rows,
-                                    "implied_tables": implied or {}, "complete": implied is not None}, indent=1))
+    def save(rows: list[dict], tables: dict | None = None, complete: bool = False) -> None:
+        """Write what is measured so far (after every shape: a run cut by its time limit keeps its rows and the
+        tables they imply so far). A ``--rows`` run keeps the file's rows it did not measure again."""
+        implied.update(tables or {})
+        new = {(r["kernel"], r["shape"], r["m"]) for r in rows}
+        old = [r for r in kept if (r["kernel"], r["shape"], r["m"]) not in new]
+        path.write_text(json.dumps({"device": gpu, "env": env, "copy_gbps": round(copy_gbps, 1), "rows": old + rows,
+                                    "implied_tables": implied, "complete": complete}, indent=1))
 
     rows = []
+    sweeping = args.w8a8_sweep or args.fp8_sweep or args.wna16_sweep or args.w4a16
     if args.w8a8_sweep:
         rows = w8a8_sweep(args.shapes, args.m, copy_gbps, on_shape=save)
-        args.shapes = []
+    if args.fp8_sweep:
+        rows += fp8_sweep(args.shapes, args.m, copy_gbps, on_shape=lambda part, tables: save(rows + part, tables))
     if args.wna16_sweep:
         rows += wna16_sweep(args.shapes, args.m, on_shape=lambda part: save(rows + part))
-        args.shapes = []
     if args.w4a16:
         from kernels_w4a16 import w4a16_sweep
 
         rows += w4a16_sweep(args.shapes, args.m, copy_gbps, bench, rotating, cycler, kw8.floor_us, gpu,
                             on_shape=lambda part: save(rows + part))
+    if sweeping:
         args.shapes = []
     hdr = (f"{'kernel':26s} {'KxN':>11s} {'M':>5s} {'us':>9s} {'TFLOP/s':>8s} {'GB/s':>7s} {'%copy':>6s} {'vs cuBLAS':>9s}"
            f"  | model: producer+layer us (vs bf16), fused producer->int8 us (vs bf16)")
-    for shape in args.shapes:
+    for i, shape in enumerate(args.shapes):
         k, n = map(int, shape.split("x"))
-        cands = candidates(k, n)
-        print(f"# {shape}: model columns include {producer_of(k, n)}")
+        producer = producer_of(k, n)
+        cands = candidates(k, n, groups)
+        print(f"# {shape}: model columns include "
+              f"{producer or 'no producer (o_proj: the attention output; the layer quantizes it itself)'}")
         print(hdr)
         for m in args.m:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -449,11 +618,12 @@ def main(argv=None) -> int:
                 row = {"kernel": name, "shape": shape, "m": m, "us": round(us, 2),
                        "tflops": round(2 * m * n * k / (us * 1e-6) / 1e12, 2), "gbps": round(gbps, 1),
                        "speedup_vs_cublas": round(base / us, 3) if base else None,
-                       "floor_us": round(kw8.floor_us(name, m, n, k, copy_gbps, gpu), 2)}
+                       "floor_us": round(kw8.floor_us(name, m, n, k, copy_gbps, gpu, producer), 2)}
                 if name.endswith("-layer"):  # producer + quant + GEMM against producer + cuBLAS bf16
                     row["layer_vs_bf16"] = row["speedup_vs_cublas"] = round(base_model / us, 3) if base_model else None
+                    row["producer"] = producer or "none"
                 if extra:
-                    row["producer"] = producer_of(k, n)
+                    row["producer"] = producer or "none"
                 for col, v in extra.items():
                     row[col] = v
                     row[col.replace("_us", "_speedup_vs_cublas")] = round(base_model / v, 3) if base_model else None
@@ -465,8 +635,8 @@ def main(argv=None) -> int:
                       + f"  floor {row['floor_us']:.2f} us")
         del cands
         torch.cuda.empty_cache()
-        save(rows)
-    save(rows, kw8.print_implied_tables(rows) if not (args.w8a8_sweep or args.wna16_sweep or args.w4a16) else {})
+        save(rows, kw8.print_implied_tables(rows, f" after {i + 1} shape(s)"))
+    save(rows, complete=True)
     print(f"# wrote {path}")
     return 0
 

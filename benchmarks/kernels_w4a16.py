@@ -21,8 +21,9 @@ def _canonical(k: int, n: int, dev: str):
     return random_w4(k, n, dev, fp16_scales=True)
 
 
-def add_mma_rows(out: dict, k: int, n: int, rotating, cycler) -> None:
-    """``lqe-w4a16-mma`` and ``lqe-w4a16-mma-dequant+cublas`` on their own (mma-layout) packed weights."""
+def add_mma_rows(out: dict, k: int, n: int, rotating, cycler, dev: str = "cuda") -> None:
+    """``lqe-w4a16-mma`` and ``lqe-w4a16-mma-dequant+cublas`` on their own (mma-layout) packed weights, repacked
+    explicitly (``repack_mma``), whatever dispatch.WNA16_TABLE names."""
     import lqe.kernels as lk
     from lqe.kernels import gemm_mma, repack_mma
 
@@ -30,8 +31,8 @@ def add_mma_rows(out: dict, k: int, n: int, rotating, cycler) -> None:
         return
 
     def make():
-        p = repack_mma.repack_mma(_canonical(k, n, "cuda"), torch.bfloat16)
-        gemm_mma.reserve_workspace("cuda", p.n_pad)
+        p = repack_mma.repack_mma(_canonical(k, n, dev), torch.bfloat16)
+        gemm_mma.reserve_workspace(dev, p.n_pad)
         return p
 
     wbytes = k * n // 2 + (k // 128) * n * 2
@@ -41,25 +42,30 @@ def add_mma_rows(out: dict, k: int, n: int, rotating, cycler) -> None:
                      wbytes)
 
 
-def w4a16_candidates(k: int, n: int, rotating, cycler) -> dict:
-    """Only the W4A16 comparison set: ``name -> (setup(x) -> fn, weight_bytes)``."""
+def w4a16_candidates(k: int, n: int, rotating, cycler, dev: str = "cuda") -> dict:
+    """Only the W4A16 comparison set: ``name -> (setup(x) -> fn, weight_bytes)``. Every row times what its name says
+    whatever dispatch.WNA16_TABLE names: ``lqe-w4a16`` (the layer path) on what ``select_w4a16_kernel`` gives a layer,
+    ``lqe-w4a16-dequant`` and ``triton-wna16`` on an explicit ``repack_wna16`` (the table naming lqe-w4a16-mma makes
+    the selected weights mma-layout, which those paths cannot read), the mma rows on an explicit ``repack_mma``."""
     import lqe.kernels as lk
     from kernels import add_int4pack_row, add_wna16_candidates
 
-    dev, out = "cuda", {}
+    out = {}
     wb16 = k * n * 2
     ws = rotating(lambda: torch.randn(k, n, device=dev, dtype=torch.bfloat16) * 0.02, wb16)
     out["cublas-bf16"] = (lambda x: (lambda w=cycler(ws): lambda: torch.matmul(x, w()))(), wb16)
     if lk.available():
         w4bytes = k * n // 2 + (k // 128) * n * 2
-        p4 = rotating(lambda: lk.select_w4a16_kernel(_canonical(k, n, dev), dev, torch.bfloat16)[0].packed, w4bytes)
-        for name, path in [("lqe-w4a16", "auto"), ("lqe-w4a16-dequant", "dequant")]:
-            out[name] = ((lambda path: lambda x: (lambda p=cycler(p4): lambda: lk.wna16_gemm(x, p(), path=path))())(path),
+        layer = rotating(lambda: lk.select_w4a16_kernel(_canonical(k, n, dev), dev, torch.bfloat16)[0].packed,
                          w4bytes)
-        add_wna16_candidates(out, k, n, p4, w4bytes)
+        p4 = rotating(lambda: lk.repack_wna16(_canonical(k, n, dev), torch.bfloat16), w4bytes)
+        for name, path, packed in [("lqe-w4a16", "auto", layer), ("lqe-w4a16-dequant", "dequant", p4)]:
+            out[name] = ((lambda path, packed: lambda x: (lambda p=cycler(packed): lambda: lk.wna16_gemm(
+                x, p(), path=path))())(path, packed), w4bytes)
+        add_wna16_candidates(out, k, n, p4, w4bytes, dev)
         for extra in ("triton-dequant+cublas", "triton-dequant-only"):  # dequant + cuBLAS is lqe-w4a16-dequant
             out.pop(extra, None)
-        add_mma_rows(out, k, n, rotating, cycler)
+        add_mma_rows(out, k, n, rotating, cycler, dev)
     else:
         print(f"# lqe kernels unavailable: {lk.unavailable_reason()}")
     add_int4pack_row(out, k, n, dev)

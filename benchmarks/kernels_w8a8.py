@@ -8,11 +8,20 @@ Layer rows (what a model's layer runs, the op producing its input included, time
   the kernel FP8_TABLE picks (lqe/kernels/w8a8.fp8_apply);
 * ``lqe-fp8-block-layer``: the producer fused with 1 x 128 fp8 groups, then the 128 x 128 block-scaled Triton GEMM;
 * their baseline, in the same run and on the same shapes: the float producer then cuBLAS bf16 (``model_us`` of the
-  ``cublas-bf16`` row). ``layer_vs_bf16`` = that time / the layer's time. o_proj's input really comes from attention;
-  its rows use the norm too, so every shape times the same composition.
+  ``cublas-bf16`` row). ``layer_vs_bf16`` = that time / the layer's time.
+o_proj (K = N: its input is the attention output, no producer to fuse into; lqe/models/llama.py ``act_quant_pairs``
+names only qkv, gate_up and down) is timed as the model runs it: the standalone quantizer (lqe/kernels/w8a8.py:
+the CUDA / Triton per-token quantizer, lqe/kernels/triton_act_quant.py) then the GEMM, against cuBLAS bf16 alone.
+
+The sweeps (``kernels.py --w8a8-sweep`` / ``--fp8-sweep``) key every candidate by its unresolved config (``skauto``:
+split-K from the SM count) so one label covers every shape, and print paste-able tables (:func:`implied_sweep_tables`):
+``CONFIGS`` of lqe/kernels/triton_w8a8.py, triton_gemv_w8a8.py (``FP8_CONFIGS`` for fp8), triton_fp8.py (and its
+``BLOCK_CONFIGS``), and ``W8A8_TABLE`` / ``FP8_TABLE`` of lqe/kernels/dispatch.py; rows above the largest M measured
+are the current table's.
 """
 from __future__ import annotations
 
+import json
 import math
 
 import torch
@@ -32,10 +41,12 @@ def peak(device_name: str, kind: str) -> float | None:
     return None
 
 
-def floor_us(kernel: str, m: int, n: int, k: int, copy_gbps: float, device_name: str) -> float:
+def floor_us(kernel: str, m: int, n: int, k: int, copy_gbps: float, device_name: str,
+             producer: str | None = "rmsnorm") -> float:
     """max(bytes at d2d copy bandwidth, FLOPs at the dense tensor-core peak) of one row. Bytes: the weight
     (1 byte / element for 8-bit rows, 2 for bf16, 0.5 + scales for W4A16), activations in and out; layer rows add
-    the producer's float input read (and the residual read + write of the norm)."""
+    the producer's float input read (and the residual read + write of the norm), or with no producer (o_proj) the
+    standalone quantizer's float read and 8-bit write."""
     if kernel.startswith("cublas") or kernel.startswith("torch-matmul"):
         wb, kind = 2.0, "bf16"
     elif "w4a16" in kernel or "wna16" in kernel or "int4" in kernel:
@@ -44,18 +55,24 @@ def floor_us(kernel: str, m: int, n: int, k: int, copy_gbps: float, device_name:
         wb, kind = 1.0, "int8"
     nbytes = wb * n * k + 2 * m * n + (m * k if kind == "int8" else 2 * m * k)
     if kernel.endswith("-layer"):
-        nbytes += 3 * 2 * m * k  # producer: x (+ residual) read, residual written
+        nbytes += 3 * 2 * m * k if producer else 3 * m * k  # producer: x (+ residual) read, residual written
     t = nbytes / (copy_gbps * 1e3)
     p = peak(device_name, kind)
     return max(t, 2 * m * n * k / (p * 1e6)) if p else t
 
 
-def _ops(k: int, x: torch.Tensor, producer: str):
-    """(float producer, int8-fused producer, fp8-fused producer, fp8-group-fused producer) on inputs for x [M, K]."""
+def _ops(k: int, x: torch.Tensor, producer: str | None):
+    """(float producer, int8-quantizing producer, fp8-quantizing producer, fp8-group-quantizing producer) on inputs
+    for x [M, K]: RMSNorm / SiLU-mul fused with the quantization, or with no producer (o_proj) ``x`` itself and the
+    standalone quantizers the layer runs."""
     from lqe.kernels import fused_ops as fo
     from lqe.kernels import fused_quant as fq
     from lqe.kernels import fused_quant_fp8 as f8
+    from lqe.kernels import w8a8
 
+    if producer is None:
+        return ((lambda: x), (lambda: w8a8.quantize_per_token_any(x)[:2]), (lambda: w8a8.fp8_quantize_per_token(x)),
+                (lambda: w8a8.fp8_quantize_group(x, 128)))
     if producer == "silu":
         a = torch.randn(x.shape[0], 2 * k, device=x.device, dtype=x.dtype)
         return ((lambda: fo.silu_and_mul(a)), (lambda: fq.silu_mul_quant_int8(a)),
@@ -71,16 +88,26 @@ def rotating_fp8(rotating, k: int, n: int):
     return rotating(lambda: w8a8.fp8_quantize_weight(torch.randn(k, n, device="cuda") * 0.02), k * n)
 
 
-def add_w8a8_fp8_rows(out: dict, k: int, n: int, rotating, cycler, producer: str, plans: list | None,
-                      wi8: list) -> None:
+def add_w8a8_fp8_rows(out: dict, k: int, n: int, rotating, cycler, producer: str | None, plans: list | None,
+                      wi8: list | None, groups=("w8a8", "fp8")) -> None:
     """Add the per-kernel ``triton-gemv``, ``triton-gemv-fp8``, ``triton-fp8`` rows and the layer rows to the
-    candidates of benchmarks/kernels.py (``name -> (setup(x) -> fn, weight_bytes)``)."""
+    candidates of benchmarks/kernels.py (``name -> (setup(x) -> fn, weight_bytes)``): the int8 ones with ``"w8a8"``
+    in ``groups`` (and ``wi8``), the fp8 ones with ``"fp8"``."""
     from lqe.kernels import triton_gemv_w8a8 as tg
-    from lqe.kernels import w8a8
 
     dev = "cuda"
     ws = torch.rand(n, device=dev) * 0.01
     tg.reserve_workspace(dev, n)
+    if "w8a8" in groups and wi8 is not None:
+        add_int8_rows(out, k, n, cycler, producer, plans, wi8, ws)
+    if "fp8" in groups:
+        add_fp8_rows(out, k, n, rotating, cycler, producer)
+
+
+def add_int8_rows(out: dict, k: int, n: int, cycler, producer: str | None, plans: list | None, wi8: list,
+                  ws: torch.Tensor) -> None:
+    from lqe.kernels import triton_gemv_w8a8 as tg
+    from lqe.kernels import w8a8
 
     def gemv_i8(x):
         if x.shape[0] > tg.MAX_M:
@@ -95,6 +122,13 @@ def add_w8a8_fp8_rows(out: dict, k: int, n: int, rotating, cycler, producer: str
             c = cycler(plans)
             return lambda: w8a8.w8a8_apply(*fused(), c(), out_dtype=torch.bfloat16)
         out["lqe-w8a8-layer"] = (layer_i8, k * n)
+
+
+def add_fp8_rows(out: dict, k: int, n: int, rotating, cycler, producer: str | None) -> None:
+    from lqe.kernels import triton_gemv_w8a8 as tg
+    from lqe.kernels import w8a8
+
+    dev = "cuda"
     if w8a8.fp8_supported() is not None:
         print(f"# fp8 rows skipped: {w8a8.fp8_supported()}")
         return
@@ -161,8 +195,114 @@ def implied_tables(rows: list[dict]) -> dict[str, list]:
     return out
 
 
-def print_implied_tables(rows: list[dict]) -> dict[str, list]:
+def print_implied_tables(rows: list[dict], note: str = "") -> dict[str, list]:
     tables = implied_tables(rows)
     for label, table in tables.items():
-        print(f"# {label} implied by this run (geo-mean over shapes, per M): {table}")
+        print(f"# {label} implied by this run{note} (geo-mean over shapes, per M): {table}")
     return tables
+
+
+# ------------------------------------------------------------------------------------------------ sweep tables
+# per sweep kind: the config tables it implies (name, label prefix, module, attribute, open-ended last row) and the
+# kernel table (dispatch name, {label prefix or exact label: kernel name})
+SWEEP_TABLES = {
+    "w8a8": ([("triton_w8a8.CONFIGS", "triton-w8a8:", "lqe.kernels.triton_w8a8", "CONFIGS", True),
+              ("triton_gemv_w8a8.CONFIGS", "triton-gemv:", "lqe.kernels.triton_gemv_w8a8", "CONFIGS", False)],
+             ("W8A8_TABLE", {"triton-gemv:": "triton-gemv", "triton-w8a8:": "triton-w8a8",
+                             "int-mm+epilogue": "int-mm+epilogue", "lqe-w8a8": "lqe-w8a8"})),
+    "fp8": ([("triton_fp8.CONFIGS", "triton-fp8:", "lqe.kernels.triton_fp8", "CONFIGS", True),
+             ("triton_fp8.BLOCK_CONFIGS", "triton-fp8-block:", "lqe.kernels.triton_fp8", "BLOCK_CONFIGS", True),
+             ("triton_gemv_w8a8.FP8_CONFIGS", "triton-gemv:", "lqe.kernels.triton_gemv_w8a8", "FP8_CONFIGS", False)],
+            ("FP8_TABLE", {"triton-gemv:": "triton-gemv", "scaled-mm": "scaled-mm", "triton-fp8:": "triton-fp8"})),
+}
+
+
+def geo_means(by_m: dict[int, dict[str, list[float]]], num_shapes: int) -> dict[int, dict[str, float]]:
+    """Per M, the geometric-mean speed-up of every label timed on all ``num_shapes`` shapes."""
+    return {m: {nm: math.exp(sum(map(math.log, v)) / len(v)) for nm, v in d.items() if len(v) == num_shapes and v}
+            for m, d in by_m.items()}
+
+
+def _matches(label: str, key: str) -> bool:
+    return label.startswith(key) if key.endswith(":") else label == key
+
+
+def merge_rows(measured: list[tuple[int, object]], current: list[tuple[int | None, object]],
+               open_end: bool = True) -> list[tuple[int | None, object]]:
+    """Per-M winners ``[(m, value)]`` (ascending M) as table rows ``(max_m, value)``: adjacent equal values merged;
+    the rows of ``current`` above the largest M measured kept (not measured: left as they are); the last row
+    open-ended (``None``) when ``open_end`` (the winner at the largest M extends upwards when no current row lies
+    above it)."""
+    rows: list[tuple[int | None, object]] = []
+    for m, v in sorted(measured, key=lambda mv: mv[0]):
+        if rows and rows[-1][1] == v:
+            rows[-1] = (m, v)
+        else:
+            rows.append((m, v))
+    if not rows:
+        return list(current)
+    top = rows[-1][0]
+    tail = [(mm, v) for mm, v in current if mm is not None and mm > top]
+    above = bool(tail)
+    if tail and tail[0][1] == rows[-1][1]:
+        rows[-1] = tail.pop(0)
+    rows += tail
+    if open_end:
+        if above and current[-1][0] is None:
+            rows.append(current[-1])
+        else:
+            rows[-1] = (None, rows[-1][1])
+    return rows
+
+
+def implied_sweep_tables(by_m: dict[int, dict[str, list[float]]], cfgs: dict[str, object], num_shapes: int,
+                         kind: str, current: dict[str, list] | None = None) -> dict[str, list]:
+    """The tables a sweep's timings imply: for each config table of :data:`SWEEP_TABLES` ``[kind]``, per M the
+    config (``cfgs[label]``) with the best geo-mean over the shapes; for the kernel table, per M the kernel whose best
+    label has the best geo-mean. Merged with ``current`` (default: the tables as the modules hold them now) above the
+    largest M measured. Labels outside the tables ("table", the current choice) only rank in the geo-means."""
+    import importlib
+
+    from lqe.kernels import dispatch
+
+    cfg_specs, (kname, families) = SWEEP_TABLES[kind]
+    if current is None:
+        current = {name: list(getattr(importlib.import_module(mod), attr)) for name, _, mod, attr, _ in cfg_specs}
+        current[kname] = list(getattr(dispatch, kname))
+    gm = geo_means(by_m, num_shapes)
+    out: dict[str, list] = {}
+    for name, prefix, _, _, open_end in cfg_specs:
+        measured = []
+        for m in sorted(gm):
+            cands = {nm: g for nm, g in gm[m].items() if nm.startswith(prefix) and nm in cfgs}
+            if cands:
+                measured.append((m, cfgs[max(cands, key=cands.get)]))
+        if measured:
+            out[name] = merge_rows(measured, current.get(name, []), open_end)
+    measured = []
+    for m in sorted(gm):
+        best = {kern: max((g for nm, g in gm[m].items() if _matches(nm, key)), default=None)
+                for key, kern in families.items()}
+        best = {kern: g for kern, g in best.items() if g is not None}
+        if best:
+            measured.append((m, max(best, key=best.get)))
+    if measured:
+        out[kname] = merge_rows(measured, current.get(kname, []), True)
+    return out
+
+
+def format_table(name: str, rows: list[tuple[int | None, object]]) -> str:
+    """``NAME = [`` rows ``]`` as Python source (configs by their dataclass repr, kernels as strings)."""
+    lines = [f"{name.rsplit('.', 1)[-1]} = ["]
+    for max_m, v in rows:
+        lines.append(f"    ({max_m!r}, {json.dumps(v) if isinstance(v, str) else repr(v)}),")
+    return "\n".join(lines + ["]"])
+
+
+def print_sweep_tables(tables: dict[str, list], gpu: str, num_shapes: int, note: str = "") -> None:
+    where = {"W8A8_TABLE": "lqe/kernels/dispatch.py", "FP8_TABLE": "lqe/kernels/dispatch.py"}
+    for name, rows in tables.items():
+        mod = where.get(name, f"lqe/kernels/{name.split('.')[0]}.py")
+        print(f"# paste into {mod} ({gpu}, geo-mean over {num_shapes} shape(s){note}; rows above the largest M "
+              f"measured are the current ones):")
+        print(format_table(name, rows))

@@ -1,8 +1,13 @@
-"""benchmarks/kernels_w8a8.py host helpers: the implied kernel tables and the per-row floors (no GPU needed)."""
+"""benchmarks/kernels_w8a8.py / kernels.py / kernels_w4a16.py host helpers (no GPU needed): the implied kernel tables,
+the paste-able tables of the sweeps (synthetic timings), the per-row floors, the producer of each layer shape, the
+--rows filter and the W4A16 rows' weight layouts whatever the W4A16 table names."""
 from __future__ import annotations
 
 import os
 import sys
+
+import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
@@ -33,3 +38,186 @@ def test_floor_is_bytes_or_flops_whichever_is_larger():
     big = kw8.floor_us("triton-w8a8", 8192, 4096, 4096, 3000.0, h100)
     assert abs(big - 2 * 8192 * 4096 * 4096 / (1979e6)) < 1e-6  # FLOP-bound
     assert kw8.floor_us("lqe-w8a8-layer", 1, 4096, 4096, 3000.0, h100) > small
+
+
+# ------------------------------------------------------------------------------------------------ sweep tables
+def _by_m(speeds: dict[int, dict[str, tuple[float, ...]]]) -> dict:
+    return {m: {nm: list(v) for nm, v in d.items()} for m, d in speeds.items()}
+
+
+def test_sweep_tables_pick_the_geo_mean_winner_per_m_and_keep_unmeasured_rows():
+    from lqe.kernels import triton_gemv_w8a8 as tg
+    from lqe.kernels import triton_w8a8 as tw
+
+    a, b = tw.W8A8Config(16, 64, 256, split_k=0), tw.W8A8Config(16, 128, 128, split_k=0)
+    g1, g2 = tg.GemvConfig(32, 512), tg.GemvConfig(64, 256, use_dot=True)
+    cfgs = {f"triton-w8a8:{a}": a, f"triton-w8a8:{b}": b, f"triton-gemv:{g1}": g1, f"triton-gemv:{g2}": g2}
+    by_m = _by_m({
+        1: {f"triton-w8a8:{a}": (1.2, 1.3), f"triton-w8a8:{b}": (1.1, 1.1), f"triton-gemv:{g1}": (1.9, 1.8),
+            f"triton-gemv:{g2}": (1.5, 1.5), "int-mm+epilogue": (0.5,), "table": (1.7, 1.7)},
+        # b wins on geo-mean (sqrt(1.0 * 1.7) = 1.30 > 1.25) though a wins one shape
+        16: {f"triton-w8a8:{a}": (1.3, 1.2), f"triton-w8a8:{b}": (1.0, 1.7), f"triton-gemv:{g1}": (1.1, 1.1),
+             f"triton-gemv:{g2}": (1.4, 1.4), "int-mm+epilogue": (0.9, 0.9), "table": (1.4, 1.4)},
+        # only the GEMM: the GEMV serves M <= 16; int-mm beats every config
+        64: {f"triton-w8a8:{a}": (1.0, 1.0), f"triton-w8a8:{b}": (1.2, 1.2), "int-mm+epilogue": (1.5, 1.4)},
+    })
+    current = {"triton_w8a8.CONFIGS": [(16, "c16"), (64, "c64"), (256, "c256"), (None, "cbig")],
+               "triton_gemv_w8a8.CONFIGS": [(1, "g1"), (4, "g4"), (16, "g16")],
+               "W8A8_TABLE": [(16, "triton-gemv"), (128, "int-mm+epilogue"), (None, "triton-w8a8")]}
+    t = kw8.implied_sweep_tables(by_m, cfgs, 2, "w8a8", current)
+    assert t["triton_w8a8.CONFIGS"] == [(1, a), (64, b), (256, "c256"), (None, "cbig")]
+    assert t["triton_gemv_w8a8.CONFIGS"] == [(1, g1), (16, g2)]
+    # int-mm at M=64 is merged with the current (128, int-mm) row above it
+    assert t["W8A8_TABLE"] == [(16, "triton-gemv"), (128, "int-mm+epilogue"), (None, "triton-w8a8")]
+    src = kw8.format_table("triton_w8a8.CONFIGS", t["triton_w8a8.CONFIGS"][:2])
+    assert src.startswith("CONFIGS = [\n    (1, W8A8Config(block_m=16, block_n=64, block_k=256") and src.endswith("]")
+    ns = {"W8A8Config": tw.W8A8Config}
+    exec(src, ns)  # paste-able: the module's own names
+    assert ns["CONFIGS"] == [(1, a), (64, b)]
+    exec(kw8.format_table("W8A8_TABLE", t["W8A8_TABLE"]), ns)
+    assert ns["W8A8_TABLE"] == t["W8A8_TABLE"]
+
+
+def test_sweep_tables_open_ended_when_the_largest_m_was_measured_and_the_default_current_tables():
+    from lqe.kernels import dispatch
+    from lqe.kernels import triton_fp8 as tf
+
+    c1, c2 = tf.Fp8Config(16, 64, split_k=0), tf.Fp8Config(128, 128, 128, 8, 4, split_k=1)
+    cfgs = {f"triton-fp8:{c1}": c1, f"triton-fp8:{c2}": c2, f"triton-fp8-block:{c1}": c1}
+    by_m = _by_m({1: {f"triton-fp8:{c1}": (1.3,), "scaled-mm": (1.2,), f"triton-fp8-block:{c1}": (1.1,)},
+                  4096: {f"triton-fp8:{c2}": (1.7,), "scaled-mm": (1.6,), "table": (1.6,)}})
+    t = kw8.implied_sweep_tables(by_m, cfgs, 1, "fp8")  # current = the modules' tables
+    assert t["triton_fp8.CONFIGS"] == [(1, c1), (None, c2)]
+    # M=1 only, and its winner is the current first row's config: that row stands, the rest are the current ones
+    assert tf.BLOCK_CONFIGS[0] == (16, c1) and t["triton_fp8.BLOCK_CONFIGS"] == tf.BLOCK_CONFIGS
+    assert t["FP8_TABLE"] == [(None, "triton-fp8")]
+    assert "triton_gemv_w8a8.FP8_CONFIGS" not in t  # no GEMV timed
+    assert dispatch.FP8_TABLE[-1][0] is None
+
+
+def test_merge_rows():
+    cur = [(16, "x"), (64, "y"), (None, "z")]
+    assert kw8.merge_rows([(1, "a"), (8, "a"), (16, "b")], cur) == [(8, "a"), (16, "b"), (64, "y"), (None, "z")]
+    assert kw8.merge_rows([(1, "a"), (128, "y")], cur) == [(1, "a"), (None, "y")]
+    assert kw8.merge_rows([(1, "a"), (32, "y")], cur) == [(1, "a"), (64, "y"), (None, "z")]
+    assert kw8.merge_rows([], cur) == cur
+    assert kw8.merge_rows([(1, "a"), (16, "b")], [(1, "g"), (16, "h")], open_end=False) == [(1, "a"), (16, "b")]
+
+
+def test_sweep_labels_are_unresolved_so_every_shape_shares_them():
+    from lqe.kernels import triton_fp8 as tf
+    from lqe.kernels import triton_gemv_w8a8 as tg
+    from lqe.kernels import triton_w8a8 as tw
+
+    for mod, m in ((tw, 1), (tw, 1024), (tg, 1), (tg, 16), (tf, 1), (tf, 1024)):
+        for cfg in mod.sweep_configs(m):
+            assert cfg.split_k in (0, 1) and ("skauto" in str(cfg)) == (cfg.split_k == 0)
+
+
+# ------------------------------------------------------------------------------------------------ kernels.py rows
+def test_producer_of_matches_the_model_fusion():
+    """qkv / gate_up read a fused RMSNorm, down_proj a fused SiLU-mul, o_proj (the attention output) none: the pairs
+    lqe/models/llama.py fuses."""
+    import kernels as kb
+
+    from lqe.models.llama import LlamaDecoderLayer
+
+    consumers = {c for _, c in LlamaDecoderLayer.act_quant_pairs}
+    assert "self_attn.o_proj" not in consumers and "mlp.down_proj" in consumers
+    roles = dict(zip(("qkv", "o", "gate_up", "down"), kb.SHAPES))
+    assert [kb.producer_of(*roles[r]) for r in ("qkv", "o", "gate_up", "down")] == ["rmsnorm", None, "rmsnorm", "silu"]
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert kw8.floor_us("lqe-w8a8-layer", 16, 4096, 4096, 3000.0, h100, None) < \
+        kw8.floor_us("lqe-w8a8-layer", 16, 4096, 4096, 3000.0, h100, "rmsnorm")
+
+
+def test_rows_filter():
+    import kernels as kb
+
+    assert kb.parse_rows(None) == set(kb.ROW_GROUPS) and kb.parse_rows("w8a8, fp8") == {"w8a8", "fp8"}
+    with pytest.raises(SystemExit, match="unknown group"):
+        kb.parse_rows("w8a8,int4")
+    names = [nm for g in kb.ROW_GROUPS.values() for nm in g]
+    assert len(names) == len(set(names)) and kb.row_group("cublas-bf16") is None
+    assert kb.row_group("lqe-fp8-block-layer") == "fp8" and kb.row_group("triton-gemv") == "w8a8"
+    for flag in ("--rows", "--fp8-sweep", "--w8a8-sweep"):
+        assert flag in open(kb.__file__).read()
+
+
+@pytest.fixture
+def w4a16_on_cpu(monkeypatch):
+    """The W4A16 rows built on CPU with dispatch.WNA16_TABLE naming lqe-w4a16-mma: the kernels 'available', the layer
+    selection giving the mma layout as it does on a GPU with that table, every GEMM call recorded, not run."""
+    import kernels as kb
+
+    import lqe.kernels as lk
+    from lqe.kernels import dispatch, gemm, gemm_mma, repack, repack_mma
+    from lqe.kernels import triton_wna16 as tw
+
+    monkeypatch.setattr(dispatch, "WNA16_TABLE", list(dispatch.WNA16_MMA_TABLE))
+    monkeypatch.delenv("LQE_WNA16_TABLE", raising=False)
+    assert gemm.table_uses_mma()
+    monkeypatch.setattr(lk, "available", lambda: True)
+
+    def select(cw, device, dtype):
+        p = repack_mma.repack_mma(cw, dtype) if gemm.table_uses_mma() else repack.repack_wna16(cw, dtype)
+        return gemm.WNA16Kernel(p, "stub"), "stub"
+    monkeypatch.setattr(lk, "select_w4a16_kernel", select)
+    monkeypatch.setattr(tw, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(gemm_mma, "reserve_workspace", lambda device, n_pad: None)
+    monkeypatch.setattr(kb, "rotating", lambda make, nbytes: [make()])
+    monkeypatch.setattr(kb, "add_int4pack_row", lambda *a, **k: None)
+    calls = []
+    monkeypatch.setattr(lk, "wna16_gemm", lambda x, p, bias=None, out=None, path="auto", **k: calls.append(
+        (path, type(p).__name__)))
+    monkeypatch.setattr(tw, "dequantize", lambda p, out=None: calls.append(("dequantize", type(p).__name__)))
+    return kb, calls
+
+
+def _layouts(out: dict, calls: list) -> dict[str, str]:
+    seen = {}
+    for name, (setup, *_) in out.items():
+        if name == "cublas-bf16":
+            continue
+        calls.clear()
+        setup(torch.zeros(1, 256, dtype=torch.bfloat16))()
+        assert len(calls) == 1, (name, calls)
+        seen[name] = calls[0]
+    return seen
+
+
+def test_w4a16_rows_time_their_own_layout_whatever_the_table(w4a16_on_cpu):
+    kb, calls = w4a16_on_cpu
+    import kernels_w4a16 as k4
+
+    want = {"lqe-w4a16": ("auto", "PackedMMA"),  # the layer path: what the table gives a layer
+            "lqe-w4a16-fused": ("fused", "PackedWNA16"), "lqe-w4a16-dequant": ("dequant", "PackedWNA16"),
+            "triton-wna16": ("triton-wna16", "PackedWNA16"),
+            "triton-dequant+cublas": ("triton-dequant+cublas", "PackedWNA16"),
+            "triton-dequant-only": ("dequantize", "PackedWNA16"),
+            "lqe-w4a16-mma": ("lqe-w4a16-mma", "PackedMMA"),
+            "lqe-w4a16-mma-dequant+cublas": ("lqe-w4a16-mma-dequant+cublas", "PackedMMA")}
+    out = {}
+    kb.add_w4a16_rows(out, 256, 128, dev="cpu")
+    assert _layouts(out, calls) == want
+    out = k4.w4a16_candidates(256, 128, kb.rotating, kb.cycler, dev="cpu")
+    assert _layouts(out, calls) == {nm: v for nm, v in want.items() if nm in out}
+    assert {"lqe-w4a16", "lqe-w4a16-dequant", "triton-wna16", "lqe-w4a16-mma"} <= set(out)
+
+
+def test_a_rows_run_keeps_the_other_rows_of_the_file(tmp_path):
+    """``--rows w8a8,fp8`` writes into the kernels-<gpu>.json the gate wrote: the rows it does not time again stay,
+    marked carried_over with their run's commit; another GPU's file is not mixed in."""
+    import json
+
+    path = tmp_path / "kernels-x.json"
+    rows = [{"kernel": "lqe-w4a16", "shape": "4096x6144", "m": 1, "us": 10.0},
+            {"kernel": "cublas-bf16", "shape": "4096x6144", "m": 1, "us": 30.0}]
+    path.write_text(json.dumps({"device": "GPU A", "commit": "abc1234", "rows": rows}))
+    import kernels
+
+    kept = kernels.carried_rows(path, "GPU A")
+    assert [r["kernel"] for r in kept] == ["lqe-w4a16", "cublas-bf16"]
+    assert all(r["carried_over"] == "abc1234" for r in kept)
+    assert kernels.carried_rows(path, "GPU B") == []
+    assert kernels.carried_rows(tmp_path / "missing.json", "GPU A") == []

@@ -37,6 +37,9 @@ def test_fp8_configs_and_bad_scales():
 
     from lqe.kernels import triton_fp8 as tf
 
+    for table in (tf.CONFIGS, tf.BLOCK_CONFIGS):
+        assert table[-1][0] is None and [mm for mm, _ in table[:-1]] == sorted(mm for mm, _ in table[:-1])
+    assert all(c.block_k == tf.SCALE_BLOCK and c.block_n <= tf.SCALE_BLOCK for _, c in tf.BLOCK_CONFIGS)
     for m in (1, 16, 17, 64, 256, 1024):
         cfg = tf.pick_config(m, 4096, 4096)
         assert cfg.split_k >= 1 and (m > 64 or cfg.split_k * -(-m // cfg.block_m) * cfg.block_m <= tf.WS_ROWS)

@@ -136,8 +136,10 @@ SCRIPT = """
     case(33, 72, 200, None, sym=False, epi=True)
     case(7, 40, 96, None, static=True, epi=True, dt=torch.bfloat16)
 
-    # a whole compressed-tensors W8A8 layer through plan_w8a8 / w8a8_apply (device check waived): M=1 and 7 on
-    # triton-w8a8 (split-K), M=33 on int-mm+epilogue (torch._int_mm runs on CPU), against the torch path
+    # a whole compressed-tensors W8A8 layer through plan_w8a8 / w8a8_apply (device check waived), W8A8_TABLE as it is:
+    # M=1 and 7 on the GEMV (triton-gemv, M <= 16), M=33 on int-mm+epilogue (torch._int_mm runs on CPU), against the
+    # torch path; the dynamic activations quantized by the Triton quantizer (lqe/kernels/triton_act_quant.py), the
+    # static ones too
     import test_kernel_selection as T
     from lqe.quant_layers import w8a8 as w8a8_mod
     real = kw.kernel_unsupported

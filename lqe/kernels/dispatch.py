@@ -47,7 +47,8 @@ WNA16_MMA_TABLE: list[tuple[int | None, str]] = [
 # the weights: naming it here keeps a second copy of every W8A8 weight in memory).
 # !! GUESSED, NOT MEASURED. The rows below were written without a GPU (issue 25) from the H100 numbers of issue 15
 # (cuBLASLt int8 1.4x bf16 at M=64, about 1.06x from M=256; triton-w8a8 1.17-1.36x at M >= 256). Set them from
-# `python benchmarks/kernels.py --w8a8-sweep` (it prints the table its measurement implies) on the target GPU.
+# `python benchmarks/kernels.py --w8a8-sweep` on the target GPU: it prints, paste-able, the W8A8_TABLE its
+# measurement implies and the triton_w8a8 / triton_gemv_w8a8 CONFIGS (the plain run prints the W8A8_TABLE too).
 W8A8_TABLE: list[tuple[int | None, str]] = [
     (16, "triton-gemv"),  # guess: weight streaming, >= 80 % of copy bandwidth is the goal
     (128, "int-mm+epilogue"),  # guess (cuBLASLt 1.4x at M=64 in issue 15)
@@ -58,14 +59,17 @@ W8A8_TABLE: list[tuple[int | None, str]] = [
 # "triton-gemv" (the GEMV above, fp8 x fp8, M <= 16), "scaled-mm" (torch._scaled_mm, row-wise scales, any M),
 # "triton-fp8" (lqe/kernels/triton_fp8.py: tiled fp8 GEMM with the per-token x per-channel epilogue fused).
 # !! GUESSED, NOT MEASURED: _scaled_mm measured 1.20-1.60x bf16 on the H100 (issue 25); kept for M > 16 until the
-# Triton fp8 GEMM is measured faster (benchmarks/kernels.py prints the table its run implies).
+# Triton fp8 GEMM is measured faster (`benchmarks/kernels.py --fp8-sweep` prints, paste-able, the FP8_TABLE and the
+# triton_fp8 CONFIGS / BLOCK_CONFIGS and triton_gemv_w8a8 FP8_CONFIGS its run implies).
 FP8_TABLE: list[tuple[int | None, str]] = [
     (16, "triton-gemv"),
     (None, "scaled-mm"),
 ]
 
 # FP8 block-scaled (128x128 weight blocks, 1x128 activation groups: DeepSeek-V3 / llm-compressor FP8 block): one
-# Triton kernel for every M (lqe/kernels/triton_fp8.py, split-K for small M). No library alternative in torch.
+# Triton kernel for every M (lqe/kernels/triton_fp8.py, split-K for small M; its tiles per M in BLOCK_CONFIGS). No
+# library alternative in torch. Read by lqe/kernels/w8a8.fp8_block_apply_quantized (which refuses a name it has no
+# kernel for) and reserve_fp8_workspaces.
 FP8_BLOCK_TABLE: list[tuple[int | None, str]] = [
     (None, "triton-fp8-block"),
 ]

@@ -9,8 +9,10 @@
   ``torch._scaled_mm`` has no such mode on every torch, so this kernel serves every M: split-K for small M.
 
 Split-K partials go to an fp32 workspace ``[SPLIT_K, M_pad, N]`` and the last program of a tile (arrival counter)
-sums them in split order: deterministic, one launch. Configurations per M bucket in :data:`CONFIGS` (guessed until
-``benchmarks/kernels.py --fp8-sweep`` measures them); host-only choice, CUDA-graph capturable.
+sums them in split order: deterministic, one launch. Configurations per M bucket in :data:`CONFIGS` (per channel) and
+:data:`BLOCK_CONFIGS` (block-scaled), guessed until ``benchmarks/kernels.py --fp8-sweep`` measures them (it prints both
+tables, paste-able); host-only choice, CUDA-graph capturable. The split-K workspace is ``WS_ROWS x N`` whatever M:
+:func:`reserve_workspace` at load (lqe/kernels/w8a8.reserve_fp8_workspaces) covers every batch size.
 """
 from __future__ import annotations
 
@@ -60,6 +62,16 @@ CONFIGS: list[tuple[int | None, Fp8Config]] = [
     (64, Fp8Config(64, 64, 128, 4, 4, split_k=0)),
     (256, Fp8Config(128, 128, 128, 8, 4)),
     (None, Fp8Config(128, 256, 128, 8, 3)),
+]
+
+
+# the block-scaled kernel's (BLOCK_K = 128: one activation group / weight block column per K step; BLOCK_N <= 128:
+# one weight block row per tile). GUESSED, NOT MEASURED: CONFIGS with those two bounds applied.
+BLOCK_CONFIGS: list[tuple[int | None, Fp8Config]] = [
+    (16, Fp8Config(16, 64, 128, 4, 4, split_k=0)),
+    (64, Fp8Config(64, 64, 128, 4, 4, split_k=0)),
+    (256, Fp8Config(128, 128, 128, 8, 4)),
+    (None, Fp8Config(128, 128, 128, 8, 3)),
 ]
 
 
@@ -174,7 +186,8 @@ def fp8_mm(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: to
     xq, out, m, n, k = gemm_io("triton-fp8", xq, w, out, out_dtype)
     if m == 0:
         return out
-    cfg = resolve(config, m, n, k, xq.device) if config is not None else pick_config(m, n, k, xq.device)
+    cfg = resolve(config, m, n, k, xq.device) if config is not None else \
+        pick_config(m, n, k, xq.device, BLOCK_CONFIGS if block_scale else None)
     kb = math.ceil(k / SCALE_BLOCK)
     if block_scale:
         if cfg.block_k != SCALE_BLOCK or cfg.block_n > SCALE_BLOCK:

@@ -17,8 +17,9 @@ weight bytes at copy bandwidth (half of bf16's). The kernel is laid out for that
   of an N tile (an arrival counter) sums them **in split order** and applies the epilogue: one launch, no
   order-dependent float atomics, so the result is deterministic run to run; the counter is reset by that program.
 
-Configurations come from :data:`CONFIGS` per M bucket on the host (no autotune, no sync: CUDA-graph capturable);
-``benchmarks/kernels.py --w8a8-sweep`` times :func:`sweep_configs`. The table below is a guess until measured.
+Configurations come from :data:`CONFIGS` (int8) / :data:`FP8_CONFIGS` (fp8) per M bucket on the host (no autotune, no
+sync: CUDA-graph capturable); ``benchmarks/kernels.py --w8a8-sweep`` / ``--fp8-sweep`` time :func:`sweep_configs` and
+print the tables they imply, paste-able. The tables below are guesses until measured.
 """
 from __future__ import annotations
 
@@ -70,6 +71,10 @@ CONFIGS: list[tuple[int, GemvConfig]] = [
     (4, GemvConfig(32, 256, use_dot=False, num_warps=4)),
     (16, GemvConfig(64, 256, use_dot=True, num_warps=4)),
 ]
+
+# the fp8 GEMV's own table (fp8 x fp8 with fp32 accumulation: another balance than int8), the same guesses until
+# `python benchmarks/kernels.py --fp8-sweep --m 1 2 4 8 16` measures it
+FP8_CONFIGS: list[tuple[int, GemvConfig]] = list(CONFIGS)
 
 WS_ROWS = 256  # split_k * BLOCK_M rows of partial sums the workspace holds per output column
 
@@ -231,7 +236,8 @@ def gemv_w8a8(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale:
     xq, out, m, n, k = gemm_io("triton-gemv", xq, w, out, out_dtype)
     if m == 0:
         return out
-    cfg = resolve(config, m, n, k, xq.device) if config is not None else pick_config(m, n, k, xq.device)
+    cfg = resolve(config, m, n, k, xq.device) if config is not None else \
+        pick_config(m, n, k, xq.device, FP8_CONFIGS if fp8 else None)
     sa, sa_stride = per_token_vec(a_scale, m, torch.float32, "triton-gemv: ")
     zp, zp_stride = per_token_vec(azp, m, torch.int32, "triton-gemv: ")
     if zp is not None and colsum is None:

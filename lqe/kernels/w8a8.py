@@ -57,9 +57,17 @@ def w8a8_linear(x: torch.Tensor, packed: PackedW8A8, bias: torch.Tensor | None =
     return w8a8_gemm(q, s, packed, azp, bias, x.dtype).view(*lead, packed.n)
 
 
-def quantize_static(x: torch.Tensor, scale: torch.Tensor, azp: torch.Tensor | None = None) -> torch.Tensor:
-    """Static per-tensor int8 quantization ``sat(round(x / scale) (+ azp))`` (torch ops; the same arithmetic as
-    :func:`lqe.kernels.act_quant_ref.static_quant_int8`)."""
+def quantize_static(x: torch.Tensor, scale: torch.Tensor, azp: torch.Tensor | None = None,
+                    use_triton: bool | None = None) -> torch.Tensor:
+    """Static per-tensor int8 quantization ``sat(round(x / scale) (+ azp))``, the bits of
+    :func:`lqe.kernels.act_quant_ref.static_quant_int8`: one Triton launch on a GPU
+    (:func:`lqe.kernels.triton_act_quant.quant_int8`; exact for ``|azp| <= 2^22 - 128``: pass ``use_triton=False``
+    for a zero point that may lie beyond), torch ops elsewhere."""
+    from lqe.kernels import triton_act_quant as taq
+
+    if use_triton is not False and taq.use_triton_for(x):
+        return taq.quant_int8(x, scale=scale.float().reshape(1), azp=None if azp is None else
+                              azp.to(torch.int32).reshape(1), use_triton=True)[0].view(x.shape)
     q = torch.round(x.float() / scale.float())
     if azp is not None:
         q = q + azp.float()
@@ -219,13 +227,15 @@ def w8a8_apply(xq: torch.Tensor, a_scale: torch.Tensor, wts: W8A8Weights, azp: t
 
 
 def quantize_per_token_any(x: torch.Tensor, symmetric: bool = True):
-    """:func:`quantize_per_token` (CUDA kernel) when the lqe extension is built, else the torch reference
-    (same results up to torch-on-CUDA's reciprocal division, see csrc/gemm/quant_per_token.cu)."""
+    """Dynamic per-token int8 quantization of ``x [..., K]`` -> ``(q [M, K], scale [M], azp [M] | None)``, the bits of
+    :func:`lqe.kernels.act_quant_ref.per_token_quant_int8`: :func:`quantize_per_token` (CUDA kernel) when the lqe
+    extension is built, else the Triton quantizer (:mod:`lqe.kernels.triton_act_quant`: one launch) on a GPU, else
+    the torch reference."""
     if x.device.type == "cuda" and gemm.available():
         return quantize_per_token(x, symmetric)
-    from lqe.kernels.act_quant_ref import per_token_quant_int8
+    from lqe.kernels import triton_act_quant as taq
 
-    q, s, azp = per_token_quant_int8(x.reshape(-1, x.shape[-1]), symmetric)
+    q, s, azp = taq.quant_int8(x.reshape(-1, x.shape[-1]), symmetric)
     return q, s.reshape(-1), None if azp is None else azp.reshape(-1)
 
 
@@ -246,10 +256,26 @@ def fp8_quantize_weight(w_kn: torch.Tensor):
     return q.t().contiguous(), s.reshape(1, -1).contiguous()
 
 
-def fp8_quantize_per_token(x: torch.Tensor):
-    """``[M, K]`` -> (fp8 ``[M, K]``, fp32 ``[M, 1]``) dynamic per-token scales."""
+def fp8_quantize_per_token(x: torch.Tensor, use_triton: bool | None = None):
+    """``[M, K]`` -> (fp8 ``[M, K]``, fp32 ``[M, 1]``) dynamic per-token scales, the bits of
+    :func:`lqe.kernels.fused_quant_fp8.quant_fp8_ref`: one Triton launch on an FP8 GPU
+    (:func:`lqe.kernels.triton_act_quant.quant_fp8`; torch on CUDA would divide by 448 through its reciprocal), the
+    torch ops below elsewhere."""
+    from lqe.kernels import triton_act_quant as taq
+
+    if use_triton is not False and taq.use_triton_for(x, fp8=True):
+        return taq.quant_fp8(x, use_triton=True)
     s = (x.float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX)
     return (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s
+
+
+def fp8_quantize_group(x: torch.Tensor, group: int, use_triton: bool | None = None):
+    """``[M, K]`` -> (fp8 ``[M, K]``, fp32 ``[M, K / group]``) dynamic 1 x ``group`` scales (the activations of
+    block-scaled weights), the bits of :func:`lqe.kernels.fused_quant_fp8.quant_fp8_ref`: one Triton launch on an FP8
+    GPU, the reference elsewhere."""
+    from lqe.kernels import triton_act_quant as taq
+
+    return taq.quant_fp8(x, group, use_triton=False if use_triton is False else None)
 
 
 def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq_nk: torch.Tensor, w_scale: torch.Tensor,
@@ -258,10 +284,17 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq_nk: torch.Tensor, w_sca
     return torch._scaled_mm(xq, wq_nk.t(), scale_a=x_scale, scale_b=w_scale, bias=bias, out_dtype=out_dtype)
 
 
-def fp8_quantize_static(x: torch.Tensor, scale: torch.Tensor):
-    """``[M, K]`` -> (fp8 ``[M, K]``, fp32 ``[M, 1]``) with one static per-tensor scale."""
+def fp8_quantize_static(x: torch.Tensor, scale: torch.Tensor, use_triton: bool | None = None):
+    """``[M, K]`` -> (fp8 ``[M, K]``, fp32 ``[M, 1]``) with one static per-tensor scale (one Triton launch on an FP8
+    GPU, torch ops elsewhere; the same bits)."""
+    from lqe.kernels import triton_act_quant as taq
+
     s = scale.float().reshape(1, 1)
-    return (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s.expand(x.shape[0], 1).contiguous()
+    if use_triton is not False and taq.use_triton_for(x, fp8=True):
+        q = taq.quant_fp8(x, scale=s.reshape(1), use_triton=True)[0]
+    else:
+        q = (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, s.expand(x.shape[0], 1).contiguous()
 
 
 def fp8_linear(x: torch.Tensor, wq_nk: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -318,19 +351,50 @@ def fp8_apply(xq: torch.Tensor, x_scale: torch.Tensor, wq_nk: torch.Tensor, w_sc
 
 def fp8_block_apply(x: torch.Tensor, wq_nk: torch.Tensor, w_block_scale: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Block-scaled FP8 (128 x 128 weight blocks) of float ``x [M, K]``: 1 x 128 dynamic activation groups (torch
-    quantizer: the fused producers of lqe/kernels/fused_quant_fp8.py emit the same bits), then the Triton kernel."""
+    """Block-scaled FP8 (128 x 128 weight blocks) of float ``x [M, K]``: 1 x 128 dynamic activation groups
+    (:func:`fp8_quantize_group`: one Triton launch on the GPU; the fused producers of lqe/kernels/fused_quant_fp8.py
+    emit the same bits), then the Triton kernel."""
     from lqe.kernels import triton_fp8 as tf
-    from lqe.kernels.fused_quant_fp8 import quant_fp8_ref
 
-    xq, xs = quant_fp8_ref(x, tf.SCALE_BLOCK)
+    xq, xs = fp8_quantize_group(x, tf.SCALE_BLOCK)
     return fp8_block_apply_quantized(xq, xs, wq_nk, w_block_scale, bias, x.dtype)
 
 
-def fp8_block_apply_quantized(xq, xs, wq_nk, w_block_scale, bias=None, out_dtype=torch.bfloat16):
-    from lqe.kernels import triton_fp8 as tf
+FP8_BLOCK_KERNELS = ("triton-fp8-block",)
 
+
+def fp8_block_apply_quantized(xq, xs, wq_nk, w_block_scale, bias=None, out_dtype=torch.bfloat16,
+                              table: list[tuple[int | None, str]] | None = None):
+    """Block-scaled FP8 of quantized activations (``xs [M, ceil(K/128)]``) through the kernel FP8_BLOCK_TABLE
+    (lqe/kernels/dispatch.py) picks for M: the Triton block-scaled GEMM is the only one today. Host-only choice."""
+    from lqe.kernels import triton_fp8 as tf
+    from lqe.kernels.dispatch import FP8_BLOCK_TABLE, pick
+
+    name = pick(table or FP8_BLOCK_TABLE, xq.shape[0])
+    if name not in FP8_BLOCK_KERNELS:
+        raise ValueError(f"FP8_BLOCK_TABLE names {name!r}; block-scaled fp8 kernels: {', '.join(FP8_BLOCK_KERNELS)}")
     return tf.fp8_mm(xq, xs, wq_nk, w_block_scale, bias, out_dtype, block_scale=True)
+
+
+def reserve_fp8_workspaces(device: torch.device | str, n: int, block: bool = False,
+                           table: list[tuple[int | None, str]] | None = None) -> None:
+    """Grow the split-K workspaces of every kernel an FP8 layer with ``n`` outputs can run to their final size (at
+    load, before any CUDA-graph capture: growing allocates, and would replace buffers a captured graph holds):
+    FP8_TABLE's rows (``block``: FP8_BLOCK_TABLE's) or ``table``. Both workspaces are ``WS_ROWS x n`` whatever M, so
+    this covers every batch size."""
+    from lqe.kernels.dispatch import FP8_BLOCK_TABLE, FP8_TABLE
+
+    names = {nm for _, nm in (table or (FP8_BLOCK_TABLE if block else FP8_TABLE))}
+    if "triton-gemv" in names:
+        from lqe.kernels import triton_gemv_w8a8 as tg
+
+        if tg.available() is None:
+            tg.reserve_workspace(device, n)
+    if names & {"triton-fp8", "triton-fp8-block"}:
+        from lqe.kernels import triton_fp8 as tf
+
+        if tf.available() is None:
+            tf.reserve_workspace(device, n)
 
 _FP8_PROBED: dict[str, str | None] = {}
 

@@ -12,6 +12,8 @@ fused shards). Block-scaled 128 x 128 checkpoints with dynamic activations run t
 (lqe/kernels/triton_fp8.py, 1 x 128 activation groups) on FP8 GPUs; weight-only checkpoints, and any GPU where the
 kernels decline, use the dequant path, with the reason logged once per layer kind.
 
+A layer that quantizes its own activations (no fused producer: o_proj) does it in one Triton launch on the GPU
+(lqe/kernels/triton_act_quant.py, through :func:`lqe.kernels.w8a8.fp8_quantize_per_token` / ``_static`` / ``_group``).
 On the two FP8 W8A8 paths with dynamic activations, the activations may instead arrive quantized (per token, or per
 1 x 128 group for block-scaled weights) from the RMSNorm / SiLU-mul that produced them, bit for bit as the layer would
 quantize them (:meth:`FP8Method.input_quant`, lqe/kernels/fused_quant_fp8.py, :mod:`lqe.layers.act_quant_fusion`)."""
@@ -85,11 +87,13 @@ class FP8Method(LinearMethod):
             layer.register_buffer("fp8_in_scale", layer.input_scale.data.float().max().reshape(1) if static else None)
             act = "static per-tensor" if static else "dynamic per-token"
             self.summary = f"fp8 e4m3 {gran} weights, {act} fp8 activations, torch._scaled_mm (cuda)"
+            self.reserve_workspaces(layer, block=False)
         elif cuda and strategy == "block" and self.s.input_activations is not None and \
                 (why := self.block_kernel_reason(layer)) is None:
             # 128 x 128 weight blocks, 1 x 128 dynamic fp8 activation groups: the Triton block-scaled GEMM, every M
             layer.register_buffer("fp8_block_scale", scale.contiguous())  # [ceil(N/128), ceil(K/128)] float32
             self.summary = f"fp8 e4m3 {gran} weights, dynamic per-token-group (1x128) fp8 activations, triton-fp8-block (cuda)"
+            self.reserve_workspaces(layer, block=True)
         else:
             layer.register_buffer("fp8_scale", scale.to(layer.params_dtype))
             where = device.type
@@ -99,6 +103,14 @@ class FP8Method(LinearMethod):
                 where = f"{where}; {why}"
             self.summary = f"fp8 e4m3 {gran} weights, weight-only dequant-matmul ({where})"
         drop_params(layer, ["weight", "weight_scale", "input_scale"])
+
+    @staticmethod
+    def reserve_workspaces(layer: nn.Module, block: bool) -> None:
+        """Grow the split-K workspaces of every kernel the layer's table can pick (the fp8 GEMV, the Triton fp8 GEMM)
+        to their final size now, before any CUDA-graph capture: they depend on N alone, so no batch size grows them."""
+        from lqe.kernels import w8a8 as kw
+
+        kw.reserve_fp8_workspaces(layer.fp8_weight.device, layer.fp8_weight.shape[0], block)
 
     def scaled_mm_reason(self, layer: nn.Module) -> str | None:
         """Why this layer cannot run FP8 W8A8 through ``torch._scaled_mm``, or ``None``; never raises."""

@@ -12,7 +12,8 @@ CUDA kernel, its fragment-packed copy) and the kernel for each call's token coun
 :mod:`lqe.kernels.dispatch` (:func:`lqe.kernels.w8a8.plan_w8a8` / :func:`lqe.kernels.w8a8.w8a8_apply`: Triton int8
 GEMM, cuBLASLt ``torch._int_mm`` + Triton epilogue, or the lqe CUDA kernel; all with the scales, zero-point
 correction and bias in the epilogue). Dynamic per-token activations are quantized by the CUDA kernel of
-csrc/gemm/quant_per_token.cu (bit-exact with :func:`reference.per_token_quant_int8`), static per-tensor ones in torch.
+csrc/gemm/quant_per_token.cu (bit-exact with :func:`reference.per_token_quant_int8`; without the lqe extension by the
+Triton quantizer of lqe/kernels/triton_act_quant.py, the same bits), static per-tensor ones by that Triton quantizer.
 Any of them may instead arrive quantized from the RMSNorm / SiLU-mul that produced them, bit for bit as the layer
 would quantize them (:meth:`W8A8Int8Method.input_quant`, :class:`QuantizedActivation`, :mod:`lqe.layers.act_quant_fusion`).
 When no kernel can run, the torch path above runs and the reason is logged once per layer kind.
@@ -241,7 +242,7 @@ class W8A8Int8Method(LinearMethod):
                 xq, s_a, azp = kw.quantize_per_token_any(x, a.symmetric)
             else:
                 s_a, azp = layer.in_scale, layer.in_zp
-                xq = kw.quantize_static(x, s_a, azp)
+                xq = kw.quantize_static(x, s_a, azp, use_triton=None if layer.in_zp_fusable else False)
         if bias is not None:
             bias = bias.to(dtype).contiguous()
         return kw.w8a8_apply(xq, s_a, wts, azp, bias, dtype)
