@@ -39,6 +39,24 @@ def test_split_k_buffers_of_a_launch():
     assert ws.for_launch(torch.device("cpu"), 3, 100, "x", 5, unused) == (1, unused, unused)  # a counter per tile
 
 
+def test_a_grown_workspace_keeps_the_old_buffers_alive(monkeypatch):
+    """Growing replaces the buffers, but a CUDA graph captured before still addresses the old ones: they are kept,
+    not freed. Growing during a capture is refused (reserve as well as acquire), naming the call to make."""
+    ws = SplitKWorkspace("k", "lqe.kernels.mod", torch.float32)
+    ws.reserve("cpu", 10)
+    first = ws["cpu"]
+    ws.reserve("cpu", 5)
+    assert ws["cpu"] is first and not ws.retired  # large enough: nothing allocated
+    ws.reserve("cpu", 20)
+    assert ws["cpu"][0].numel() == 20 and ws.retired == [first]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match=r"during CUDA-graph capture: call lqe\.kernels\.mod\.reserve_workspace"):
+        ws.reserve("cuda", 8, "layer q")
+    ws["cuda"] = ws["cpu"]  # (a CUDA entry on a CPU machine: only the size check runs)
+    with pytest.raises(RuntimeError, match="too small for layer q"):
+        ws.acquire(torch.device("cuda"), 64, "layer q")
+
+
 @pytest.mark.parametrize("kernel", ["triton-w8a8", "torch._int_mm", "triton-fp8", "triton-gemv"])
 def test_wrappers_refuse_mismatched_operands(kernel):
     dt = E4M3 if kernel == "triton-fp8" else torch.int8

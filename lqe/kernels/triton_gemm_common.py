@@ -39,11 +39,19 @@ class SplitKWorkspace(dict):
     def __init__(self, kernel: str, module: str, dtype: torch.dtype, zeroed: bool = False, cnt_slots: int = 8192):
         super().__init__()
         self.kernel, self.module, self.dtype, self.zeroed, self.cnt_slots = kernel, module, dtype, zeroed, cnt_slots
+        # Buffers replaced by a larger reserve: a CUDA graph captured earlier still addresses them, so they are
+        # kept alive (never freed, never reused by the caching allocator) rather than dropped.
+        self.retired: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def reserve(self, device: torch.device | str, numel: int) -> None:
+    def reserve(self, device: torch.device | str, numel: int, what: str = "this layer") -> None:
         device = torch.device(device)
         ws = self.get(str(device))
         if ws is None or ws[0].numel() < numel:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"{self.kernel} split-K workspace too small for {what} during CUDA-graph capture: "
+                                   f"call {self.module}.reserve_workspace before capturing")
+            if ws is not None:
+                self.retired.append(ws)
             alloc = torch.zeros if self.zeroed else torch.empty
             self[str(device)] = (alloc(max(numel, 1), dtype=self.dtype, device=device),
                                  torch.zeros(self.cnt_slots, dtype=torch.int32, device=device))
@@ -51,10 +59,7 @@ class SplitKWorkspace(dict):
     def acquire(self, device: torch.device, numel: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
         ws = self.get(str(device))
         if ws is None or ws[0].numel() < numel:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"{self.kernel} split-K workspace too small for {what} during CUDA-graph capture: "
-                                   f"call {self.module}.reserve_workspace before capturing")
-            self.reserve(device, numel)
+            self.reserve(device, numel, what)
             ws = self[str(device)]
         return ws
 
