@@ -3,10 +3,12 @@ reach the host (placeholders in its host inputs, filled on the device from step 
 tokens equal the synchronous engine's, with continuous batching, chunked prefill, prefix caching, preemption,
 seeded sampling, stop tokens, logprobs, and steps that must wait (penalties)."""
 import random
+import re
 
 import pytest
 
 from lqe import LLM, SamplingParams
+from lqe.sampling_params import StructuredOutputsParams
 from lqe.engine.async_steps import PLACEHOLDER
 from lqe.engine.cuda_graph import EagerPaddedRunner
 from lqe.engine.graph_backends import RecordingBackend
@@ -99,3 +101,64 @@ def test_async_abort_mid_flight(tiny_llama_dir):
     assert len(final) == 1 and len(final[0].outputs[0].token_ids) == 20
     assert all(o.request_id != "a" for o in outs)
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def _full(outs):
+    """Everything a caller can read from the outputs but the timings: ``(exact part, logprob values)``. The values
+    are compared with a tolerance: a sequence's batch can differ with async scheduling (a finishing sequence
+    frees its slot one step later), and the CPU matmuls' rounding depends on the batch."""
+    values = []
+
+    def lp(d):
+        if d is None:
+            return None
+        values.extend(v.logprob for v in d.values())
+        return {t: v.rank for t, v in d.items()}
+    exact = [(o.request_id, [(c.index, list(c.token_ids), c.text, c.finish_reason, c.stop_reason,
+                              c.cumulative_logprob is None, None if c.logprobs is None else [lp(d) for d in c.logprobs])
+                             for c in o.outputs],
+              None if o.prompt_logprobs is None else [lp(d) for d in o.prompt_logprobs]) for o in outs]
+    values += [c.cumulative_logprob for o in outs for c in o.outputs if c.cumulative_logprob is not None]
+    return exact, values
+
+
+def test_async_per_request_features_equal_sync(tiny_llama_dir):
+    """Prompt logprobs, logprobs, stop strings, n > 1 with seeds, logit_bias, min_tokens, penalties and structured
+    output give the synchronous engine's outputs with async scheduling (prompt logprobs used to come back as
+    ``[None]``: the step that computes them went through the launch path, which keeps no hidden states for them)."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 49000) for _ in range(n)] for n in (20, 7, 33, 12, 5, 26, 9, 15, 11)]
+    greedy = dict(temperature=0, ignore_eos=True)
+    _, free = _run(tiny_llama_dir, False, prompts[3:4], [SamplingParams(max_tokens=10, **greedy)])
+    llm0 = LLM(tiny_llama_dir, kv_cache_memory_bytes=16 << 20, max_model_len=128)
+    stop_text = llm0.get_tokenizer().decode(free[0][0][3:5])
+    llm0.shutdown()
+    params = [
+        SamplingParams(max_tokens=6, prompt_logprobs=1, **greedy),
+        SamplingParams(max_tokens=8, logprobs=3, prompt_logprobs=0, temperature=0.9, seed=11, ignore_eos=True),
+        SamplingParams(max_tokens=5, n=3, temperature=1.0, seed=3, logprobs=1, ignore_eos=True),
+        SamplingParams(max_tokens=10, stop=[stop_text], **greedy),
+        SamplingParams(max_tokens=7, logit_bias={17: 40.0, 23: 39.5}, temperature=0.7, seed=5, ignore_eos=True),
+        SamplingParams(max_tokens=6, min_tokens=4, stop_token_ids=[17], logit_bias={17: 50.0}, **greedy),
+        SamplingParams(max_tokens=6, presence_penalty=1.5, frequency_penalty=0.5, prompt_logprobs=2, **greedy),
+        SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, min_p=0.05, seed=2, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=1.0, seed=4, n=2,
+                       structured_outputs=StructuredOutputsParams(regex=r"[a-c]{3}-[0-9]{2}")),
+    ]
+    want, want_lp = _full(_run_outputs(tiny_llama_dir, False, prompts, params))
+    got, got_lp = _full(_run_outputs(tiny_llama_dir, True, prompts, params))
+    prompt_lp = want[0][2]
+    assert prompt_lp is not None and len(prompt_lp) == 20 and all(d is not None for d in prompt_lp[1:])
+    assert want[3][1][0][3] == "stop" and want[5][1][0][1][4] == 17 and len(want[2][1]) == 3
+    assert all(re.fullmatch(r"[a-c]{3}-[0-9]{2}", c[2]) for c in want[8][1])
+    assert got == want
+    assert got_lp == pytest.approx(want_lp, rel=1e-5, abs=1e-5)
+
+
+def _run_outputs(model_dir, async_scheduling, prompts, params):
+    llm = LLM(model_dir, kv_cache_memory_bytes=64 << 20, max_model_len=128, max_num_batched_tokens=48, max_num_seqs=6,
+              async_scheduling=async_scheduling)
+    try:
+        return llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.shutdown()

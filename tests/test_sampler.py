@@ -1,5 +1,7 @@
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from lqe.layers.sampler import Sampler, SamplingBatch, apply_penalties, apply_top_k_top_p_min_p
 from lqe.sampling_params import SamplingParams
@@ -16,7 +18,8 @@ def batch(n, **kw) -> SamplingBatch:
         output_token_ids=kw.get("output_token_ids", [[] for _ in range(n)]),
         prompt_token_ids=kw.get("prompt_token_ids", [[] for _ in range(n)]),
         banned_token_ids=kw.get("banned_token_ids", [[] for _ in range(n)]),
-        num_logprobs=kw.get("num_logprobs", [None] * n))
+        num_logprobs=kw.get("num_logprobs", [None] * n), token_bitmask=kw.get("token_bitmask"),
+        logit_bias=kw.get("logit_bias"))
 
 
 def test_top_k_top_p_min_p_masks():
@@ -92,3 +95,90 @@ def test_logprobs_are_raw_model_logprobs_with_rank():
 def test_invalid_sampling_params_name_the_value(kw, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kw)
+
+
+def test_each_row_draws_from_its_own_generator():
+    """The contract that keeps seeded outputs stable: row ``i`` samples ``argmax(p_i / E)`` with ``E`` one
+    ``exponential_`` draw of a fresh vocabulary-sized tensor from row ``i``'s generator, whatever the batching."""
+    torch.manual_seed(1)
+    logits = torch.randn(5, 300) * 2
+    temps = [0.6, 0.0, 1.0, 0.6, 1.3]
+    got = Sampler()(logits, batch(5, temperature=temps, generators=[torch.Generator().manual_seed(40 + i)
+                                                                   for i in range(5)])).token_ids
+    want = []
+    for i, t in enumerate(temps):
+        if t == 0:
+            want.append(int(logits[i].argmax()))
+            continue
+        e = torch.empty(300).exponential_(generator=torch.Generator().manual_seed(40 + i))
+        want.append(int(((logits[i] / t).softmax(-1) / e).argmax()))
+    assert got == want
+
+
+class _BlockingCopies(TorchDispatchMode):
+    """``meta`` stands in for the GPU: records what would make the host wait for the device in a sampling call.
+
+    A host-to-device copy waits unless it is non-blocking (from pinned memory on CUDA). Copies hidden from the
+    dispatcher (``torch.tensor(data, device=...)``, indexing with a Python list, a host tensor given to a device op)
+    show up as a device tensor no op produced, or as a host tensor beside device tensors. Reading a device value
+    (``.item()``, ``.tolist()``, ``bool()``) fails on meta. Meta tensors cannot draw with a generator: the draws are
+    skipped."""
+
+    def __init__(self, *device_inputs: torch.Tensor) -> None:
+        super().__init__()
+        self.known = {id(t) for t in device_inputs}
+        self.keep = list(device_inputs)  # no id reused while the mode runs
+        self.blocking: list[str] = []
+        self.non_blocking = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        on_device = [t for t in tensors if t.device.type == "meta"]
+        copy_in = func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
+        if copy_in and str(kwargs.get("device", args[0].device)) == "meta" and tensors[-1].device.type == "cpu":
+            if kwargs.get("non_blocking", args[2] if len(args) > 2 else False):
+                self.non_blocking += 1
+            else:
+                self.blocking.append(f"{func}: a blocking host-to-device copy")
+        elif on_device:
+            if any(id(t) not in self.known for t in on_device):
+                self.blocking.append(f"{func}: a device tensor made from host data out of sight")
+            if any(t.device.type == "cpu" and t.dim() > 0 for t in tensors):
+                self.blocking.append(f"{func}: a host tensor given to a device op")
+        if func is torch.ops.aten.exponential_.default and args[0].device.type == "meta":
+            return args[0]
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                self.known.add(id(t))
+                self.keep.append(t)
+        return out
+
+
+def test_sampling_makes_no_blocking_host_to_device_copy(monkeypatch):
+    """Every per-row parameter (temperature, top-k/p, min-p, penalties, min_tokens bans, logit_bias, the structured
+    output bitmask, the sampled rows) reaches the device with a non-blocking copy: on CUDA a blocking one is a stream
+    sync, breaking the one device-to-host sync per step and the overlap of async scheduling."""
+    import xgrammar
+
+    def fake_bitmask_kernel(logits, mask, vocab_size):  # xgrammar's kernel has no meta implementation
+        logits.add_(mask[:, :1].to(logits.dtype) * 0)
+    monkeypatch.setattr(xgrammar, "apply_token_bitmask_inplace", fake_bitmask_kernel)
+    n, vocab = 6, 64
+    b = batch(n, temperature=[0.0, 0.7, 1.0, 0.0, 0.5, 1.2], top_k=[0, 5, 0, 0, 3, 0], top_p=[1.0, 0.9, 1.0, 1.0, 1.0, 0.8],
+              min_p=[0.0, 0.0, 0.1, 0.0, 0.0, 0.0], repetition_penalty=[1.0, 1.2, 1.0, 1.0, 1.0, 1.1],
+              presence_penalty=[0.0, 0.0, 0.5, 0.0, 0.0, 0.0], frequency_penalty=[0.0, 0.0, 0.0, 0.3, 0.0, 0.0],
+              output_token_ids=[[1, 2], [3], [], [4, 4], [5], [6]], prompt_token_ids=[[7, 8]] * n,
+              banned_token_ids=[[2], [], [2, 9], [], [], []], num_logprobs=[None, 2, None, None, None, None],
+              logit_bias=[None, {3: 1.5}, None, None, {10: -5.0}, None],
+              token_bitmask=torch.full((n, 2), -1, dtype=torch.int32))
+    for greedy_only in (False, True):
+        if greedy_only:
+            b.temperature.zero_()
+        logits = torch.empty(n, vocab, device="meta")
+        with _BlockingCopies(logits) as mode:
+            tokens, raw = Sampler().sample_tokens(logits, b)
+        assert tokens.device.type == "meta" and raw is not None
+        assert mode.blocking == [], mode.blocking
+        assert mode.non_blocking > 0

@@ -14,6 +14,8 @@ How, without N's tokens on the host:
   (``max_tokens`` or ``max_model_len`` reached with the pending token) are not scheduled again.
 * A step whose sampling needs the previous tokens on the host (penalties, structured output) or that asks for
   prompt logprobs waits for step N first (no overlap for that step; same schedule, finished sequences dropped).
+  A step that asks for prompt logprobs then runs as a synchronous step (``ModelRunner.execute``): they are read from
+  the step's hidden states, which only that path keeps.
 
 Tokens are those of the synchronous engine for the same batches; batch composition can differ (a finishing
 sequence frees its slot one step later), so only batch-dependent rounding can change a token.
@@ -72,6 +74,9 @@ class AsyncStepper:
             if not outs and eng.scheduler.waiting and not eng.scheduler.running:
                 raise RuntimeError("no request could be scheduled although nothing is running (KV cache exhausted)")
             return outs
+        if any(s.seq.wants_prompt_logprobs for s in sched.scheduled):  # not history free: nothing is in flight
+            now = eng._process(sched, eng.runner.execute(sched, eng._sampling_batch(sched)))
+            return list({o.request_id: o for o in outs + now}.values())  # a request's latest output, once
         self.inflight = self._launch(sched, prev)
         if prev is not None:
             self.overlapped += 1

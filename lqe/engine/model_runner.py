@@ -247,8 +247,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_async(self, sched: SchedulerOutput, sampling: SamplingBatch | None) -> "PendingStep":
         """Launch a step (model, LM head, sampling) and start its one device-to-host copy without waiting for it:
-        :meth:`PendingStep.result` waits. For async scheduling (:mod:`lqe.engine.async_steps`): no prompt logprobs,
-        one rank. ``PendingStep.tokens`` holds the sampled ids on the device (the next step's pending inputs)."""
+        :meth:`PendingStep.result` waits. For async scheduling (:mod:`lqe.engine.async_steps`), one rank; no prompt
+        logprobs (a step that asks for them runs through :meth:`execute`). ``PendingStep.tokens`` holds the sampled
+        ids on the device (the next step's pending inputs)."""
         logits, _, _ = self._step_logits(sched)
         if logits is None:
             return PendingStep(self, sched, sampling, None, None, None)
