@@ -1,20 +1,36 @@
-"""GPU calibration benchmark (issue 18): seconds and peak GPU memory of ``tools.convert`` calibration per method on
-a random-weight checkpoint of the llama3-8b shape, calibrated on random tokens (it times the method, not the
-accuracy). Calibration streams the checkpoint one decoder layer at a time onto the GPU (``--device``).
+"""GPU calibration benchmark (issue 18, issue 27): seconds and peak GPU memory of ``tools.convert`` calibration per
+method on a random-weight checkpoint of the llama3-8b shape, calibrated on random tokens (it times the method, not
+the accuracy). Calibration streams the checkpoint one decoder layer at a time onto the GPU (``--device``); the input
+embedding stays on the CPU (a lookup), and the calibration activations go to pinned CPU memory between layer runs
+when they would exceed ``--activations-budget-gib`` (``--offload-activations auto``, the default: on for 128 x 2048
+tokens of the 8B shape, whose activations take 4 GiB, 8 GiB with drift correction).
 
-Per method it records the calibration seconds, the seconds with the writer, the peak of
-``torch.cuda.max_memory_allocated``, the median seconds per decoder layer, and against them a floor counted
-first: the fp32 FLOPs of the Hessian sums, the layer forwards GPTQ runs and the GPTQ updates, and the fp64 FLOPs of
-the Cholesky factorizations (and of the recipes' extras: drift correction, rotation, code refinement; see
-:func:`layer_floor`), over the fp32 / fp64 matmul rates measured in this process, plus the launch-bound column loops
-of GPTQ and of the refinement (about 13 small kernels per weight column, at the launch time measured here), which run
-after the sums and so add to them. With ``--layers N`` below the shape's count the checkpoint has N layers and
-``extrapolated_seconds`` = fixed part + median layer time x the shape's layer count.
+Per method it records the calibration seconds, the seconds with the writer, the peaks of
+``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` beside :func:`memory_plan`'s estimate, the median
+seconds per decoder layer, and against them a floor counted first: the fp32 FLOPs of the Hessian sums, the layer
+forwards GPTQ runs and the GPTQ updates, and the fp64 FLOPs of the Cholesky factorizations (and of the recipes'
+extras: drift correction, rotation, code refinement; see :func:`layer_floor`), over the fp32 / fp64 matmul rates
+measured in this process, plus the launch-bound column loops of GPTQ and of the refinement (about 13 small kernels
+per weight column, at the launch time measured here), which run after the sums and so add to them. With ``--layers N``
+below the shape's count the checkpoint has N layers and ``extrapolated_seconds`` = fixed part + median layer time x
+the shape's layer count.
 
 Methods: plain GPTQ / AWQ / RTN / SmoothQuant, and ``recipe-sym`` / ``recipe-asym``, the README's two W4 g128
 recipes flag for flag (rotation, act-order, clipping search, drift correction; the asym one also per-head rotation
-and two refinement passes). Issue 27 asks for the whole 8B shape, each method in its own device call (one call is
-10 minutes); ``--work-dir`` on an ignored path inside the tree keeps the 16 GB random checkpoint between calls:
+and two refinement passes).
+
+The checkpoint: with all of the shape's layers it is e2e_gpu.py's bf16 checkpoint (the same config and seed, under
+its ``$LQE_BENCH_DIR/<shape>/bf16``: one 16 GB copy serves e2e_gpu.py, kv_cache_gpu.py and this); with ``--layers N``
+an N-layer one of its own under ``--work-dir``. The calibration tokens are saved beside it.
+
+Longer than one call: ``--stop-after-s S`` stops cleanly between two decoder layers before S seconds from the
+start (the next layer predicted as 1.25 x the slowest so far, the writer as ``--tail-s``), saves the state under
+``--work-dir`` (the next layer, the activations entering it, the quantized layers so far, each call's seconds and
+peak memory: tools.convert.streaming.LayerCheckpoint) and exits 3; the same command again continues there and gives
+the weights of an uninterrupted run. The final row's ``calib_seconds`` sums the calls, its peaks are the largest of
+any call, and ``calls`` / ``resumed`` say so. With ``--stop-after-s``, a method finished in an earlier call is
+skipped (its row kept; ``--restart`` measures again), and no method starts with under ``--min-start-s`` left.
+``--build-only`` writes the checkpoint and the calibration tokens and exits.
 
 Results go to ``benchmarks/results/calibration-<gpu>.json`` (``calibration-cpu.json`` without a GPU); rows of
 other methods / shapes already there are kept.
@@ -22,8 +38,22 @@ other methods / shapes already there are kept.
     python benchmarks/calibration_gpu.py                               # llama3-8b, 32 layers, 128 x 2048 tokens
     python benchmarks/calibration_gpu.py --layers 4 --methods gptq-sym  # a few minutes, extrapolated to 32 layers
     python benchmarks/calibration_gpu.py --quick                        # tiny shape, seconds, CPU or GPU
-    python benchmarks/calibration_gpu.py --methods gptq-asym-act --work-dir .cache/calib  # then: --methods recipe-asym
+
+Issue 27 on an H100. One device call is 600 s, a session has 15 minutes of device time (machine start included),
+and every session starts a bare machine; the machine stays warm only 30 s between calls, so issue them back to back
+(``.cache/`` is ignored, so it stays on the machine between warm calls). The same command each call:
+
+    LQE_BENCH_DIR=.cache/bench PYTHONUNBUFFERED=1 python benchmarks/calibration_gpu.py \
+        --methods gptq-asym-act --work-dir .cache/calib --stop-after-s 540 --out $OUT/calibration-h100.json
+
+  call 1: builds the shared 16 GB checkpoint (2-3 min), then GPTQ W4 g128 asym act-order until 540 s, exit 3;
+  call 2: GPTQ to its end (its row: the seconds of both calls, ~6-8 min of calibration), exit 0.
+That is a session's device time: GPTQ takes a GPU session of its own (after the gate's), and ``recipe-asym``
+(~14 min of layers at its floor, past one session) another, ``--methods recipe-asym --layers 8`` extrapolated, until
+sessions get more device time. Copy ``$OUT/calibration-h100.json`` (each call rewrites it whole) to
+``benchmarks/results/calibration-nvidia-h100-80gb-hbm3.json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,16 +67,16 @@ import tempfile
 import time
 from pathlib import Path
 
+T_START = time.monotonic()  # --stop-after-s counts from here
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import torch  # noqa: E402
 
 from common import env_info, write_random_checkpoint  # noqa: E402
+from e2e_gpu import SHAPES as E2E_SHAPES, build_random_model  # noqa: E402
 
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                 num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192,
-                 rms_norm_eps=1e-5, tie_word_embeddings=False)
+LLAMA3_8B = E2E_SHAPES["llama3-8b"][1]  # e2e_gpu.py's config of the shape: its checkpoint is this one's
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=512, rope_theta=10000.0, max_position_embeddings=512, rms_norm_eps=1e-5,
             tie_word_embeddings=False)
@@ -79,6 +109,135 @@ def build_checkpoint(fields: dict, out_dir: Path, seed: int) -> Path:
     config = LlamaConfig(**fields, torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1)
     config.architectures = ["LlamaForCausalLM"]
     return write_random_checkpoint(config, LlamaForCausalLM, out_dir, seed, SHARD_BYTES)
+
+
+def e2e_model_dir(shape: str) -> Path:
+    """Where e2e_gpu.py keeps the bf16 checkpoint of ``shape`` (its ``--work-dir`` default, ``<shape>/bf16``)."""
+    return Path(os.environ.get("LQE_BENCH_DIR", str(Path(tempfile.gettempdir()) / "lqe-e2e-models"))) / shape / "bf16"
+
+
+def same_random_model(model_dir: Path, fields: dict, seed: int) -> bool:
+    """Whether ``model_dir`` is the random checkpoint of ``fields`` drawn with ``seed``: its config has the fields,
+    and its first drawn tensor (``common.write_random_checkpoint`` draws them in the index's order from one generator,
+    norms aside) equals a fresh draw with ``seed`` on the same kind of device."""
+    from safetensors import safe_open
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+        index = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    except (OSError, ValueError, KeyError):
+        return False
+    if any(config.get(k) != v for k, v in fields.items()):
+        return False
+    name = next(k for k in index if not k.endswith("norm.weight"))
+    with safe_open(str(model_dir / index[name]), framework="pt") as f:
+        stored = f.get_tensor(name)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    drawn = (torch.randn(tuple(stored.shape), generator=gen, device=dev) * 0.02).to(torch.bfloat16).cpu()
+    return torch.equal(drawn, stored)
+
+
+def shared_random_model(shape: str, seed: int, fallback: Path) -> tuple[Path, bool]:
+    """e2e_gpu.py's bf16 checkpoint of ``shape`` (:func:`e2e_model_dir`; built there with its ``build_random_model``
+    when absent and ``seed`` is e2e_gpu.py's default, 0) when it is the model of this seed, else one built in
+    ``fallback``; and whether it is e2e_gpu.py's."""
+    fields = E2E_SHAPES[shape][1]
+    shared = e2e_model_dir(shape)
+    if (shared / "config.json").exists():
+        if same_random_model(shared, fields, seed):
+            return shared, True
+        print(f"[{shape}] {shared} is not the random model of seed {seed}: using {fallback}", flush=True)
+    elif seed == 0:
+        return build_random_model(shape, shared, seed), True
+    return build_random_model(shape, fallback, seed), False
+
+
+def calibration_ids(work: Path, vocab: int, num_samples: int, seq_len: int, seed: int) -> torch.Tensor:
+    """Random token ids ``[num_samples, seq_len]`` (seeded), saved in ``work`` and read back from there."""
+    path = work / f"ids-{num_samples}x{seq_len}-v{vocab}-seed{seed}.pt"
+    if path.exists():
+        return torch.load(path, weights_only=True)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (num_samples, seq_len), generator=gen)
+    work.mkdir(parents=True, exist_ok=True)
+    torch.save(ids, path.with_suffix(".tmp"))
+    os.replace(path.with_suffix(".tmp"), path)
+    return ids
+
+
+# ------------------------------------------------------------------------------------------------ memory
+def memory_plan(fields: dict, num_samples: int, seq_len: int, batch_size: int, name: str, offload: bool,
+                device: str = "cuda", group_size: int = 128) -> dict:
+    """Bytes the calibration of ``name`` holds on its device (``cuda``; ``cpu``: everything, the device being the
+    host) at its largest moments, counted from the tensors the code makes; ``peak`` is the largest phase. Phases:
+
+    * ``capture``: the stored activations (one batch on the device when offloaded) and the embedding (on the host);
+    * ``forward``: the down_proj statistics pass: one layer (two with drift correction: the float copy), the fp32
+      sums (Hessian, and the drift's), the gate/up Hessian still referenced, one batch's MLP temporaries (gate,
+      silu, up, product: three alive; the float stream's input and the difference with drift correction);
+    * ``hessian``: the fp32 sum becoming the float64 Hessian (both alive);
+    * ``gptq``: the Hessian, GPTQ's two float64 working matrices (tools.convert.gptq), the weight's fp32 copy; with drift correction the drift sum and ``drift_target``'s solve (a copy of H,
+      its LU factor, the solution) first; with refinement its float64 Hessian copy, fp32 copy, and the normal
+      equations of :mod:`tools.convert.refine` (the ``[N, P, P]`` system, its ridge, its LU);
+    * ``finish``: the LM head in fp32 (and its float64 rotation).
+
+    The largest linear input (down_proj's, the intermediate size) sets the Hessian terms. Not counted: cuBLAS /
+    cuSOLVER workspaces, the allocator's rounding and fragmentation (``max_memory_reserved`` shows them), attention
+    temporaries (below the MLP's)."""
+    method, spec_fields, *rest = METHODS[name]
+    opts = rest[0] if rest else {}
+    h, inter, vocab = fields["hidden_size"], fields["intermediate_size"], fields["vocab_size"]
+    kv = fields["num_key_value_heads"] * (h // fields["num_attention_heads"])
+    layers = fields["num_hidden_layers"]
+    host = device == "cpu"
+    offload = offload and not host
+    drift = spec_fields.get("drift_alpha", 0) > 0
+    streams = 2 if drift else 1
+    b = min(batch_size, num_samples)
+    f32, f64 = 4, 8
+    acts = streams * num_samples * seq_len * h * f32
+    batch = b * seq_len * h * f32  # one batch's hidden states
+    mlp_t = b * seq_len * inter * f32  # one batch's intermediate activation
+    layer = f32 * (2 * h * h + 2 * kv * h + 3 * h * inter + 2 * h)
+    emb = f32 * vocab * h
+    held = (2 * streams * batch) if offload else acts  # offloaded: one batch in, its output out
+    lay = streams * layer
+    k2, n_down = inter * inter, h  # down_proj: K = intermediate, N = hidden
+    g = spec_fields.get("group_size", group_size)
+    groups = inter // g if g > 0 else 1
+    # what the host holds besides (device == cpu only): the table, the finished layers' codes and scales
+    canon_layer = (layer // f32) + 2 * f32 * sum(n * (k // g if g > 0 else 1) for n, k in (
+        (h + 2 * kv, h), (h, h), (2 * inter, h), (h, inter)))
+    host_base = emb if host else 0
+    done = canon_layer * (layers - 1) if host else 0
+    phases = {"capture": acts if not offload else 2 * batch}
+    if host:
+        phases["capture"] += emb
+    if method in ("gptq", "awq", "smoothquant"):
+        fwd = held + lay + 3 * mlp_t + 3 * batch
+        if method == "gptq":
+            fwd += f32 * k2 * streams + f64 * h * h
+            if drift:
+                fwd += 2 * mlp_t
+        phases["forward"] = host_base + done + fwd
+    if method == "gptq":
+        phases["hessian"] = host_base + done + held + lay + (f32 * k2 * (streams - 1)) + (f32 + f64) * k2 + f64 * h * h
+        gptq = f64 * k2 + 2 * f64 * k2 + f32 * n_down * inter  # H, two working matrices, the weight's copy
+        extra = 0
+        if drift:  # drift sum + drift_target: H copy, its LU, the solution; the float64 weight and product
+            gptq += f64 * k2
+            extra = max(extra, 3 * f64 * k2 + 2 * f64 * n_down * inter - 2 * f64 * k2)
+        if opts.get("refine_passes"):  # H copy (f64) and its fp32 copy; [N, P, P] normal equations x 3
+            p = (2 if not spec_fields.get("sym", True) else 1) * groups
+            extra = max(extra, f64 * k2 + f32 * k2 + 3 * f64 * n_down * p * p + 2 * f64 * n_down * inter
+                        - 2 * f64 * k2)
+        phases["gptq"] = host_base + done + held + lay + gptq + max(0, extra)
+    head = f32 * vocab * h * (0 if fields.get("tie_word_embeddings") and not opts.get("rotate") else 1)
+    phases["finish"] = head + (4 * head if opts.get("rotate") else 0) + (emb + canon_layer * layers if host else 0)
+    peak_phase = max(phases, key=phases.get)
+    return {"activations": acts, "offload": offload, "layer": layer, "embedding": emb, "hessian": f64 * k2,
+            "phases": phases, "peak_phase": peak_phase, "peak": phases[peak_phase]}
 
 
 def _timed(fn, device: torch.device, reps: int = 5) -> float:
@@ -170,43 +329,78 @@ def slug(device: torch.device) -> str:
     return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
 
 
+def resolve_offload(args, name: str, fields: dict) -> bool:
+    """``--offload-activations``: on, off, or auto = on when the stored activations (both streams with drift
+    correction) exceed ``--activations-budget-gib`` on a GPU."""
+    if args.offload_activations != "auto":
+        return args.offload_activations == "on"
+    plan = memory_plan(fields, args.num_samples, args.seq_len, args.batch_size, name, False, group_size=args.group_size)
+    return args.device_type == "cuda" and plan["activations"] > args.activations_budget_gib * 2**30
+
+
+def resume_key(args, name: str, model_dir: Path, offload: bool, device: torch.device) -> dict:
+    return {"shape": args.shape, "layers": args.layers_built, "seed": args.seed, "model_dir": str(model_dir),
+            "num_samples": args.num_samples, "seq_len": args.seq_len, "batch_size": args.batch_size,
+            "group_size": args.group_size, "method": name, "offload_activations": offload, "device": str(device)}
+
+
 def run_method(name: str, model_dir: Path, out_dir: Path, args, ids: torch.Tensor, device: torch.device,
-               fields: dict, rates: dict) -> dict:
+               fields: dict, rates: dict, ckpt=None) -> dict:
+    """One method's row; with ``ckpt`` (a LayerCheckpoint) the calibration resumes from its saved state and may stop
+    (CalibrationStopped, after saving) when its deadline comes."""
     from tools.convert.quantize import CalibOptions, quantize_checkpoint
     from tools.convert.spec import ExportSpec
+    from tools.convert.resume import resumable
 
     method, spec_fields, *rest = METHODS[name]
     opts_fields = rest[0] if rest else {}
+    offload = resolve_offload(args, name, fields)
     spec = ExportSpec(**{"group_size": args.group_size, **spec_fields})
     opts = CalibOptions(num_samples=ids.shape[0], seq_len=ids.shape[1], batch_size=args.batch_size, device=str(device),
-                        offload_activations=args.offload_activations, **opts_fields)
+                        offload_activations=offload, **opts_fields)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     t0 = time.perf_counter()
-    _, res = quantize_checkpoint(str(model_dir), str(out_dir), method, spec, opts, overwrite=True, input_ids=ids)
+    if ckpt is not None:
+        with resumable(ckpt):
+            _, res = quantize_checkpoint(str(model_dir), str(out_dir), method, spec, opts, overwrite=True,
+                                         input_ids=ids)
+    else:
+        _, res = quantize_checkpoint(str(model_dir), str(out_dir), method, spec, opts, overwrite=True, input_ids=ids)
     total = time.perf_counter() - t0
     shutil.rmtree(out_dir, ignore_errors=True)
+    before = ckpt.previous_calls if ckpt is not None else []
+    calib = res.seconds + sum(c["seconds"] for c in before)
     layers = len(res.layer_seconds)
     per_layer = statistics.median(res.layer_seconds) if res.layer_seconds else 0.0
-    fixed = max(0.0, res.seconds - sum(res.layer_seconds))
+    fixed = max(0.0, calib - sum(res.layer_seconds))
     floor = layer_floor(fields, ids.numel(), ids.shape[1], method, rates, drift=spec.drift_alpha > 0,
                         refine_passes=opts.refine_passes, rotate=opts.rotate is not None, zeros=not spec.sym)
     errors = [e for e in res.layer_errors if e is not None]
+    plan = memory_plan(fields, ids.shape[0], ids.shape[1], args.batch_size, name, offload, device.type,
+                       args.group_size)
     row = {"method": name, "quant_method": method, "bits": spec.bits, "group_size": spec.group_size, "sym": spec.sym,
            "desc_act": spec.desc_act, "flags": {k: v for k, v in {**spec_fields, **opts_fields}.items()
                                                  if k not in ("fmt", "bits", "group_size", "sym", "desc_act")},
-           "layers": layers, "calib_seconds": round(res.seconds, 2),
-           "seconds": round(total, 2), "write_seconds": round(total - res.seconds, 2),
+           "offload_activations": offload, "layers": layers, "calib_seconds": round(calib, 2),
+           "seconds": round(calib + total - res.seconds, 2), "write_seconds": round(total - res.seconds, 2),
            "layer_seconds_median": round(per_layer, 3), "fixed_seconds": round(fixed, 2),
            "extrapolated_seconds": round(fixed + per_layer * args.full_layers, 1),
            "floor_s_per_layer": float(f"{floor['floor_s']:.4g}"),
            "vs_floor": round(per_layer / floor["floor_s"], 2) if floor["floor_s"] else None,
            "mean_layer_error": round(statistics.mean(errors), 6) if errors else None,
-           "floor": {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in floor.items()}}
+           "floor": {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in floor.items()},
+           "planned_peak_gib": round(plan["peak"] / 2**30, 3), "planned_peak_phase": plan["peak_phase"],
+           "resumed": bool(before), "calls": len(before) + 1}
+    if before:
+        row["seconds_per_call"] = [c["seconds"] for c in before] + [round(res.seconds, 2)]
     if device.type == "cuda":
-        row["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
+        peak = max([torch.cuda.max_memory_allocated(device)] + [c.get("peak_allocated", 0) for c in before])
+        reserved = max([torch.cuda.max_memory_reserved(device)] + [c.get("peak_reserved", 0) for c in before])
+        row["peak_gpu_gib"] = round(peak / 2**30, 3)
+        row["peak_gpu_reserved_gib"] = round(reserved / 2**30, 3)
         row["peak_gpu_gib_above_start"] = round((torch.cuda.max_memory_allocated(device) - base) / 2**30, 3)
     return row
 
@@ -221,13 +415,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=8, help="calibration sequences per forward")
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    ap.add_argument("--offload-activations", action="store_true",
-                    help="calibration activations in CPU memory between layer runs (tools.convert's flag)")
+    ap.add_argument("--offload-activations", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
+                    help="calibration activations in pinned CPU memory between layer runs (tools.convert's flag); "
+                         "auto (default): on a GPU when they exceed --activations-budget-gib")
+    ap.add_argument("--activations-budget-gib", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work-dir", default=os.environ.get("LQE_BENCH_DIR", str(Path(tempfile.gettempdir()) / "lqe-calib")),
-                    help="where the random checkpoint is built (and reused) and outputs are written (then deleted)")
+                    help="where an N-layer checkpoint, the calibration tokens, outputs (deleted after) and resumable "
+                         "state live")
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/calibration-<gpu>.json)")
     ap.add_argument("--quick", action="store_true", help="tiny shape, 4 x 32 tokens: a smoke run of seconds")
+    ap.add_argument("--build-only", action="store_true", help="write the checkpoint and the calibration tokens, exit")
+    ap.add_argument("--stop-after-s", type=float, default=None,
+                    help="stop between decoder layers (state saved under --work-dir, exit 3) before this many seconds "
+                         "from the start; the same command again resumes")
+    ap.add_argument("--save-every", type=int, default=0,
+                    help="also save the state after every N layers (0: only when stopping; each save writes the "
+                         "activations, 4-8 GiB on the 8B shape)")
+    ap.add_argument("--tail-s", type=float, default=None,
+                    help="seconds asked for what follows the last layer (LM head, writer; default: estimated from "
+                         "the checkpoint's size)")
+    ap.add_argument("--min-start-s", type=float, default=90.0,
+                    help="with --stop-after-s: after a method finished, start the next only with this much time left")
+    ap.add_argument("--restart", action="store_true", help="drop saved states and finished-method marks first")
     args = ap.parse_args(argv)
     if args.quick:
         args.shape, args.num_samples, args.seq_len = "tiny", min(args.num_samples, 4), min(args.seq_len, 32)
@@ -237,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"unknown method(s) {bad}; choose from {', '.join(METHODS)}")
     from tools.convert.spec import ConvertError
+    from tools.convert.resume import CalibrationStopped, LayerCheckpoint
     from tools.convert.streaming import resolve_device
 
     try:
@@ -244,18 +455,24 @@ def main(argv: list[str] | None = None) -> int:
     except ConvertError as e:
         print(f"calibration_gpu.py: {e}")
         return 2
+    args.device_type = device.type
     fields = dict(SHAPES[args.shape])
     args.full_layers = fields["num_hidden_layers"]
     if args.layers is not None:
         fields["num_hidden_layers"] = args.layers
-    layers = fields["num_hidden_layers"]
+    layers = args.layers_built = fields["num_hidden_layers"]
     work = Path(args.work_dir)
     t0 = time.perf_counter()
-    model_dir = build_checkpoint(fields, work / f"{args.shape}-{layers}l-seed{args.seed}", args.seed)
-    print(f"[{args.shape}, {layers} layers] random bf16 checkpoint at {model_dir} ({time.perf_counter() - t0:.0f}s)",
-          flush=True)
-    gen = torch.Generator().manual_seed(args.seed)
-    ids = torch.randint(0, fields["vocab_size"], (args.num_samples, args.seq_len), generator=gen)
+    if layers == args.full_layers and args.shape in E2E_SHAPES:  # the whole shape: e2e_gpu.py's checkpoint
+        model_dir, shared = shared_random_model(args.shape, args.seed, work / f"{args.shape}-{layers}l-seed{args.seed}")
+    else:
+        model_dir, shared = build_checkpoint(fields, work / f"{args.shape}-{layers}l-seed{args.seed}", args.seed), False
+    print(f"[{args.shape}, {layers} layers] random bf16 checkpoint at {model_dir}{' (e2e_gpu.py s)' if shared else ''} "
+          f"({time.perf_counter() - t0:.0f}s)", flush=True)
+    ids = calibration_ids(work, fields["vocab_size"], args.num_samples, args.seq_len, args.seed)
+    if args.build_only:
+        print(f"built: {model_dir} and {args.num_samples} x {args.seq_len} calibration tokens in {work}")
+        return 0
     rates = measured_rates(device)
     print(f"[{device}] measured: fp32 matmul {rates['fp32_flops'] / 1e12:.1f} TFLOP/s, fp64 "
           f"{rates['fp64_flops'] / 1e12:.1f} TFLOP/s, {rates['launch_s'] * 1e6:.1f} us per small kernel", flush=True)
@@ -263,26 +480,78 @@ def main(argv: list[str] | None = None) -> int:
     old = json.loads(out_path.read_text()).get("rows", []) if out_path.exists() else []
     key = ("shape", "layers", "num_samples", "seq_len", "method", "offload_activations")
     rows = {tuple(r.get(k) for k in key): r for r in old}
+    ckpt_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    tail_s = args.tail_s if args.tail_s is not None else 20.0 + 2.0 * ckpt_bytes / 1e9
+    deadline = None if args.stop_after_s is None else T_START + args.stop_after_s
+    paused = progressed = False
     for name in methods:
-        row = run_method(name, model_dir, work / f"out-{name}", args, ids, device, fields, rates)
+        offload = resolve_offload(args, name, fields)
+        state_dir = work / "resume" / f"{name}-{args.shape}-{layers}l-{args.num_samples}x{args.seq_len}-seed{args.seed}"
+        ckpt = LayerCheckpoint(state_dir, resume_key(args, name, model_dir, offload, device), deadline, tail_s,
+                               args.save_every)
+        done = state_dir / "done.json"
+        if args.restart:
+            ckpt.clear()
+        if ckpt.exists():
+            try:
+                ckpt.read_state()
+            except ConvertError as e:
+                print(f"[{name}] {e}: starting again", flush=True)
+                ckpt.clear()
+        if done.exists() and args.stop_after_s is not None:
+            saved = json.loads(done.read_text())
+            if saved["key"] == ckpt.key:
+                row = saved["row"]
+                rows[tuple(row.get(k) for k in key)] = row
+                print(f"[{name}] done in an earlier call ({row['calib_seconds']:.1f}s); --restart measures again",
+                      flush=True)
+                continue
+        if progressed and not ckpt.exists() and deadline is not None and deadline - time.monotonic() < args.min_start_s:
+            print(f"[{name}] not started: {deadline - time.monotonic():.0f}s left (--min-start-s "
+                  f"{args.min_start_s:.0f}); run the same command again", flush=True)
+            paused = True
+            break
+        progressed = True  # (a call always makes progress: one layer at least, see LayerCheckpoint)
+        try:
+            row = run_method(name, model_dir, work / f"out-{name}", args, ids, device, fields, rates, ckpt)
+        except CalibrationStopped as e:
+            shutil.rmtree(work / f"out-{name}", ignore_errors=True)
+            print(f"[{name}] PAUSED before layer {e.next_layer} of {e.num_layers} after "
+                  f"{time.monotonic() - T_START:.0f}s: state in {e.path}; run the same command again to continue",
+                  flush=True)
+            paused = True
+            break
         row = {"shape": args.shape, "num_samples": args.num_samples, "seq_len": args.seq_len,
-               "batch_size": args.batch_size, "offload_activations": args.offload_activations, "device": str(device),
-               **row}
+               "batch_size": args.batch_size, "device": str(device), **row}
         rows[tuple(row.get(k) for k in key)] = row
+        ckpt.clear()
+        if args.stop_after_s is not None:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            done.write_text(json.dumps({"key": ckpt.key, "row": row}, indent=1))
         f = row["floor"]
-        print(f"[{name}] calibration {row['calib_seconds']:.1f}s (+{row['write_seconds']:.1f}s writing), "
+        print(f"[{name}] calibration {row['calib_seconds']:.1f}s (+{row['write_seconds']:.1f}s writing)"
+              + (f" over {row['calls']} calls" if row["resumed"] else "") + ", "
               f"{row['layer_seconds_median']:.3g}s/layer against a floor of {row['floor_s_per_layer']:.3g}s "
               f"(fp32 {f['forward_tflop'] + f['hessian_tflop'] + f['gptq_update_tflop']:.3g} TFLOP, fp64 "
               f"{f['fp64_tflop']:.3g} TFLOP, {f['gptq_columns']} GPTQ columns: launch floor "
               f"{f['launch_floor_s']:.3g}s)" + (f" = {row['vs_floor']}x" if row["vs_floor"] else "")
               + (f"; extrapolated to {args.full_layers} layers: {row['extrapolated_seconds']:.0f}s"
                  if layers != args.full_layers else "")
-              + (f"; peak GPU memory {row['peak_gpu_gib']:.2f} GiB" if "peak_gpu_gib" in row else ""), flush=True)
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps({"device": torch.cuda.get_device_name(device) if device.type == "cuda" else
-                                        env_info()["cpu"], "env": env_info(), "rows": list(rows.values())}, indent=1))
+              + (f"; peak GPU memory {row['peak_gpu_gib']:.2f} GiB allocated, {row['peak_gpu_reserved_gib']:.2f} "
+                 f"reserved (planned {row['planned_peak_gib']:.2f}, offload {'on' if row['offload_activations'] else 'off'})"
+                 if "peak_gpu_gib" in row else ""), flush=True)
+        write_rows(out_path, rows, device)
+    write_rows(out_path, rows, device)
+    if paused:
+        return 3
     print(f"wrote {out_path}")
     return 0
+
+
+def write_rows(path: Path, rows: dict, device: torch.device) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"device": torch.cuda.get_device_name(device) if device.type == "cuda" else
+                                env_info()["cpu"], "env": env_info(), "rows": list(rows.values())}, indent=1))
 
 
 if __name__ == "__main__":

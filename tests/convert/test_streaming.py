@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import sys
+import time
 
 import pytest
 import torch
@@ -331,3 +332,103 @@ def test_calibration_benchmark_quick_runs_on_cpu(tmp_path):
     assert r["floor"]["forward_tflop"] > g["floor"]["forward_tflop"]
     assert r["floor"]["fp64_tflop"] > 10 * g["floor"]["fp64_tflop"]
     assert 0 < r["mean_layer_error"] < 1
+
+
+RESUME_CASES = {
+    "gptq-drift-act-offload": ("llama", "gptq", dict(fmt="gptq", group_size=32, desc_act=True, drift_alpha=0.25),
+                               dict(offload_activations=True)),
+    "recipe-asym-rotated-refined": ("qwen2", "gptq", dict(fmt="gptq_v2", group_size=32, sym=False, desc_act=True,
+                                                          mse=True, drift_alpha=0.25),
+                                    dict(rotate="hadamard", rotate_heads=True, refine_passes=1)),
+    "awq": ("llama", "awq", dict(fmt="awq", group_size=32, sym=False), dict(awq_clip=True, awq_tokens=24)),
+}
+
+
+@pytest.mark.parametrize("case", list(RESUME_CASES))
+def test_a_calibration_stopped_between_layers_resumes_to_the_same_checkpoint(models, tmp_path, case):
+    """A LayerCheckpoint whose deadline has passed stops before every layer but a call's first (and before the
+    work after the last layer), saving its state; the same calibration run again continues there. Three calls on a
+    two-layer model give the checkpoint of one uninterrupted run, tensor for tensor, and record each call."""
+    from tools.convert.resume import CalibrationStopped, LayerCheckpoint, resumable
+
+    arch, method, spec_kw, opts_kw = RESUME_CASES[case]
+    ref = str(tmp_path / "ref")
+    _, want = quantize_checkpoint(models[arch], ref, method, ExportSpec(**spec_kw), _opts(**opts_kw), input_ids=_ids())
+    state, out = tmp_path / "state", str(tmp_path / "out")
+    key = {"case": case}
+    stops = []
+    for call in range(5):
+        ckpt = LayerCheckpoint(state, key, deadline=time.monotonic() - 1, tail_s=0.0)
+        try:
+            with resumable(ckpt):
+                _, got = quantize_checkpoint(models[arch], out, method, ExportSpec(**spec_kw), _opts(**opts_kw),
+                                             overwrite=True, input_ids=_ids())
+            break
+        except CalibrationStopped as e:
+            stops.append(e.next_layer)
+            assert not os.path.exists(os.path.join(out, "config.json"))
+            assert (state / "state.json").exists() and (state / "acts.bin").stat().st_size > 0
+    assert stops == [1, 2] and call == 2  # before layer 1, before the work after layer 1, then to the end
+    assert [c["layers"] for c in ckpt.previous_calls] == [[0, 1], [1, 2]]
+    assert got.layer_errors == pytest.approx(want.layer_errors, rel=1e-6) and len(got.layer_seconds) == 2
+    assert_same_checkpoint(ref, out)
+
+
+def test_a_saved_calibration_state_is_refused_for_other_settings(tiny_llama_dir, tmp_path):
+    from tools.convert.resume import CalibrationStopped, LayerCheckpoint, resumable
+
+    spec = ExportSpec(fmt="gptq", group_size=32)
+    with pytest.raises(CalibrationStopped), resumable(LayerCheckpoint(tmp_path / "s", {"group_size": 32},
+                                                                      deadline=time.monotonic() - 1)):
+        quantize_checkpoint(tiny_llama_dir, str(tmp_path / "o"), "gptq", spec, _opts(), input_ids=_ids())
+    with pytest.raises(ConvertError, match=r"other settings \(group_size\).*remove the directory"), \
+            resumable(LayerCheckpoint(tmp_path / "s", {"group_size": 64})):
+        quantize_checkpoint(tiny_llama_dir, str(tmp_path / "o"), "gptq", spec, _opts(), input_ids=_ids(),
+                            overwrite=True)
+    with pytest.raises(ConvertError, match="streams the checkpoint"), \
+            resumable(LayerCheckpoint(tmp_path / "s", {"group_size": 32})):
+        quantize_checkpoint(tiny_llama_dir, str(tmp_path / "o"), "gptq", spec, _opts(), input_ids=_ids(),
+                            overwrite=True, stream=False)
+
+
+def test_calibration_benchmark_resumes_over_calls(tmp_path):
+    """``--stop-after-s`` (here already past): each call calibrates one layer (or the tail), saves, exits 3; the
+    same command again continues; a finished method's row is kept and not measured again; the row sums the calls."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import calibration_gpu
+
+    out = tmp_path / "calib.json"
+    argv = ["--quick", "--device", "cpu", "--methods", "gptq-sym,rtn", "--out", str(out), "--work-dir",
+            str(tmp_path / "work"), "--stop-after-s", "0", "--tail-s", "0"]
+    codes = [calibration_gpu.main(argv) for _ in range(7)]
+    assert codes == [3, 3, 3, 3, 3, 0, 0], codes  # gptq: 3 calls; rtn: 3 calls (it starts only in a fresh call)
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    for r in rows.values():
+        assert r["resumed"] and r["calls"] == 3 and len(r["seconds_per_call"]) == 3 and r["layers"] == 2
+        assert r["calib_seconds"] == pytest.approx(sum(r["seconds_per_call"]), abs=0.05)
+        assert 0 < r["mean_layer_error"] < 1
+
+
+def test_calibration_memory_plan_of_the_8b_shape():
+    """The counted device bytes of issue 27's runs: 128 x 2048 tokens of the 8B shape store 4 GiB of fp32
+    activations (8 with drift correction's float stream), which ``auto`` offloads; GPTQ W4 g128 asym act-order then
+    plans under the 12 GiB target, its peak in the GPTQ phase (down_proj's 14336^2 float64 Hessian: 1.53 GiB)."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import calibration_gpu as cg
+
+    shape = cg.SHAPES["llama3-8b"]
+    plans = {(m, off): cg.memory_plan(shape, 128, 2048, 8, m, off) for m in ("gptq-asym-act", "recipe-asym")
+             for off in (False, True)}
+    assert plans["gptq-asym-act", False]["activations"] == 4 * 2**30
+    assert plans["recipe-asym", False]["activations"] == 8 * 2**30
+    assert plans["gptq-asym-act", True]["hessian"] == 14336 ** 2 * 8
+    for m in ("gptq-asym-act", "recipe-asym"):
+        on, off = plans[m, True], plans[m, False]
+        assert off["phases"]["capture"] - on["phases"]["capture"] == off["activations"] - 2 * 8 * 2048 * 4096 * 4
+        assert on["peak"] < off["peak"] and on["peak_phase"] == "gptq"
+    assert plans["gptq-asym-act", True]["peak"] < 12 * 2**30 < plans["recipe-asym", False]["peak"]
+    args = cg.argparse.Namespace(offload_activations="auto", num_samples=128, seq_len=2048, batch_size=8,
+                                 group_size=128, activations_budget_gib=2.0, device_type="cuda")
+    assert cg.resolve_offload(args, "gptq-asym-act", shape)
+    args.num_samples = 16  # 0.5 GiB: kept on the device
+    assert not cg.resolve_offload(args, "gptq-asym-act", shape)

@@ -1,8 +1,9 @@
 """Run a HF causal LM block by block on calibration inputs, so only one decoder layer's activations live at a
 time: capture the first layer's inputs (hidden states + the keyword arguments HF passes: mask, rotary
 embeddings ...), then for each layer collect what a method needs through forward hooks on its linears,
-quantize it, and feed the quantized layer's outputs to the next one. Activations live on the device of the model's
-input embedding (the calibration device); the layers themselves may come and go (see :mod:`.streaming`)."""
+quantize it, and feed the quantized layer's outputs to the next one. Activations live on the device the first
+layer's inputs arrive on (the calibration device: the input embedding's, or where a hook on it moves its output);
+the layers themselves may come and go (see :mod:`.streaming`)."""
 from __future__ import annotations
 
 import logging
@@ -58,9 +59,11 @@ def linear_groups(layer: nn.Module) -> list[tuple[str, ...]]:
 class BlockRunner:
     """``inputs``: the current layer's inputs as the quantized layers before it produce them. With ``track_float``,
     also ``fp_inputs``: the same layer's inputs in the float model (what the quantized stream should reproduce).
-    ``input_ids`` may live anywhere: each batch goes to the device of the model's input embedding (``device``), where
-    the layers run. ``offload`` keeps the stored activations in (pinned) CPU memory between runs, each batch copied
-    to the device for its forward: the device then holds one batch instead of all of them. ``steps`` counts
+    ``input_ids`` may live anywhere: each batch goes to the device of the model's input embedding; ``device``, where
+    the layers run, is where layer 0's inputs arrive (the embedding's device, unless a forward hook on the embedding
+    moves its output: the streaming path keeps the table on the CPU). ``offload`` keeps the stored activations in
+    (pinned) CPU memory between runs, each batch copied to the device for its forward: the device then holds one
+    batch instead of all of them. ``steps`` counts
     :meth:`advance` calls; :meth:`before_next_run` registers a callback for the next run's layer."""
 
     def __init__(self, model: nn.Module, input_ids: torch.Tensor, batch_size: int = 8, track_float: bool = False,
@@ -74,12 +77,16 @@ class BlockRunner:
         self._before_run: Callable[[nn.Module], None] | None = None
         first = self.layers[0]
         embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        device = embed.weight.device if embed is not None else next(model.parameters()).device
-        self.device = device
-        self.store = torch.device("cpu") if offload else device
+        ids_device = embed.weight.device if embed is not None else next(model.parameters()).device
+        self.device = self.store = ids_device
+        self.offload = offload
 
         def catch(module, args, kwargs):
-            self.inputs.append(self.stored(args[0] if args else kwargs.pop("hidden_states")))
+            x = args[0] if args else kwargs.pop("hidden_states")
+            if not self.inputs:  # the calibration device: where layer 0's inputs arrive
+                self.device = x.device
+                self.store = torch.device("cpu") if offload else x.device
+            self.inputs.append(self.stored(x))
             self.kwargs.append({k: v for k, v in kwargs.items() if k != "hidden_states"})
             raise _Stop
 
@@ -88,7 +95,7 @@ class BlockRunner:
             with torch.no_grad():
                 for i in range(0, input_ids.shape[0], batch_size):
                     try:
-                        model(input_ids[i:i + batch_size].to(device), use_cache=False)
+                        model(input_ids[i:i + batch_size].to(ids_device), use_cache=False)
                     except _Stop:
                         pass
         finally:

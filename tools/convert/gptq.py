@@ -45,15 +45,21 @@ class HessianAccumulator:
     def hessian(self) -> torch.Tensor:
         if self._hessian is None:
             h, self.h = self.h, None
-            self._hessian = torch.zeros(self.k, self.k, dtype=torch.float64) if h is None else \
-                (2.0 / max(self.count, 1)) * h.double()
+            self._hessian = torch.zeros(self.k, self.k, dtype=torch.float64) if h is None else self._scaled(h)
         return self._hessian
 
     def drift(self) -> torch.Tensor | None:
         if self._drift is None and self.d is not None:
             d, self.d = self.d, None
-            self._drift = (2.0 / max(self.count, 1)) * d.double()
+            self._drift = self._scaled(d)
         return self._drift
+
+    def _scaled(self, s: torch.Tensor) -> torch.Tensor:
+        """``2 / count * s`` in float64, scaled in place: the fp32 sum and one float64 matrix alive at a time (the
+        out-of-place product would hold a second float64 one: 3.8 GiB instead of 2.3 for Llama-3-8B's down_proj)."""
+        out = s.double()
+        del s  # (the caller dropped its reference: the fp32 sum goes now)
+        return out.mul_(2.0 / max(self.count, 1))
 
 
 def drift_target(weight: torch.Tensor, hessian: torch.Tensor, drift: torch.Tensor, alpha: float,
@@ -104,28 +110,37 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
     """Torch-layout ``weight [N, K]`` + ``hessian [K, K]`` -> CanonicalWeight (``g_idx`` set for act-order)."""
     w = weight.detach().float().clone()
     n, k = w.shape
-    h = hessian.to(device=w.device, dtype=torch.float64).clone()
-    dead = torch.diag(h) == 0
-    h[dead, dead] = 1
+    dev = w.device
+    hessian = hessian.to(device=dev, dtype=torch.float64)  # (the caller's tensor when it is already that: read only)
+    diag = torch.diag(hessian)
+    dead = diag == 0
     w[:, dead] = 0
     g = k if group_size == -1 else group_size
     maxq = (1 << bits) - 1
     static: list[tuple[torch.Tensor, torch.Tensor]] = []
     if static_groups:
         static = [_group_params(w[:, i:i + g], bits, sym, scale_dtype, mse) for i in range(0, k, g)]
-    dev = w.device
-    if act_order:
-        perm = torch.argsort(torch.diag(h), descending=True)
-        w, h = w[:, perm], h[perm]
-        h = h[:, perm]  # two steps: one fewer K x K float64 copy alive at a time
+    # K x K float64 matrices alive beside the caller's H: two at most (the working copy of H and its factor; the
+    # factor inverted in place and cuSOLVER's working copy of it; the inverse and its upper factor)
+    if act_order:  # one gather of H's rows and columns in the new order: no unpermuted copy first
+        perm = torch.argsort(torch.where(dead, 1.0, diag), descending=True)  # a dead column's diagonal counts as 1
+        w = w[:, perm]
+        h = hessian[perm[:, None], perm[None, :]]
+        h.diagonal()[dead[perm]] = 1
     else:
         perm = torch.arange(k, device=dev)
+        h = hessian.clone()
+        h.diagonal()[dead] = 1
+    del diag
     perm_cols = perm.tolist() if static_groups else []
     h.diagonal().add_(damp * torch.mean(torch.diag(h)))  # = h + damp * mean(diag) * I, without an identity matrix
     hinv = torch.linalg.cholesky(h)
     del h  # each K x K float64 step frees the one before it
-    hinv = torch.cholesky_inverse(hinv)
-    hinv = torch.linalg.cholesky(hinv, upper=True).float()
+    torch.cholesky_inverse(hinv, out=hinv)  # in place: the factor is column-major, which out= then uses as it is
+    upper = torch.linalg.cholesky(hinv, upper=True)
+    del hinv  # before the float32 copy
+    hinv = upper.float()
+    del upper
     codes = torch.zeros(n, k, dtype=torch.uint8, device=dev)
     ng = num_groups(k, group_size)
     scales = torch.ones(ng, n, device=dev)

@@ -3,20 +3,26 @@
 (:class:`ResidentModel`, the reference the streaming path is tested against).
 
 Streaming: the HF model is built with its parameters on the meta device (no memory; buffers such as rotary tables
-stay real), the input embedding is read for :class:`~tools.convert.blocks.BlockRunner` to capture layer 0's
-inputs, then :meth:`CalibModel.iter_layers` reads each decoder layer's tensors from the shards onto the device,
+stay real), the input embedding is read onto the CPU for :class:`~tools.convert.blocks.BlockRunner` to capture
+layer 0's inputs (a table lookup: a forward hook moves its output to the device, which never holds the table, 2 GiB
+in float32 for Llama-3-8B), then :meth:`CalibModel.iter_layers` reads each decoder layer's tensors from the shards
+onto the device,
 yields the layer for calibration, keeps its float state (every tensor but the quantized linears' weights: norms
 that AWQ / SmoothQuant / rotations changed, biases) on the CPU in the checkpoint's dtype, moves the layer's
 CanonicalWeights to the CPU and puts the layer back on the meta device. Peak device memory is one decoder layer
 plus the calibration activations (and whatever a method allocates for the layer).
 
 Extension points for transforms (e.g. a residual-stream rotation): change ``model``'s input embedding before the
-BlockRunner captures (it is on the device then; a tied lm_head is the same tensor, so untie it first if it must
-not change); change ``layer`` at the top of the loop body (its full float state after the body is what is kept);
+BlockRunner captures (it is on the CPU; a tied lm_head is the same tensor, so untie it first if it must not
+change); change ``layer`` at the top of the loop body (its full float state after the body is what is kept);
 after :meth:`CalibModel.finish` (calibrate calls it after the last layer) everything outside the layers is real:
 what the capture used on the CPU, the rest (an untied lm_head) on the device. Change the final norm / lm_head there
 (assign a new ``lm_head.weight`` to untie it; move rotation matrices to ``w.device``). Every real non-layer tensor
-is part of :meth:`CalibModel.float_state`, which the writer stores."""
+is part of :meth:`CalibModel.float_state`, which the writer stores.
+
+Resuming: inside ``with resumable(LayerCheckpoint(...))`` (:mod:`tools.convert.resume`) a streamed calibration saves
+its state between decoder layers and stops when its time is up; the same calibration started again in the same
+``with`` continues where it stopped and gives the weights of an uninterrupted run."""
 from __future__ import annotations
 
 import logging
@@ -31,6 +37,7 @@ from tqdm import tqdm
 from lqe.kernels.canonical import CanonicalWeight
 from tools.convert.blocks import BlockRunner, decoder_layers, use_repeated_kv_attention
 from tools.convert.progress import LayerErrorProbe, weight_error
+from tools.convert.resume import LayerCheckpoint, current_checkpoint
 from tools.convert.spec import ConvertError
 from tools.convert.writer import CheckpointReader, quantized_weight
 
@@ -109,10 +116,11 @@ class CalibModel:
     """The decoder layers calibration iterates over, and the float state it leaves (see the module docstring)."""
 
     streaming = False
-
     def __init__(self, model: nn.Module, device: torch.device) -> None:
         self.model = model
         self.device = device
+        # saves / resumes the layer loop (``with resumable(...)``; streamed models only: restore / save refuse others)
+        self.checkpoint: LayerCheckpoint | None = current_checkpoint()
         self.layers = decoder_layers(model)
         self.layer_prefix = next(n for n, m in model.named_modules() if m is self.layers)
         self.layer_errors: list[float | None] = []
@@ -127,28 +135,39 @@ class CalibModel:
         one, layer ``i``'s CanonicalWeights (the entries of ``canon`` under its prefix) go to the CPU and its float
         state is kept. The progress bar shows the last layer's error (:class:`LayerErrorProbe`, or
         :func:`weight_error` without a runner)."""
-        bar = tqdm(range(len(self.layers)), desc=desc, unit="layer")
-        for i in bar:
-            t0 = time.perf_counter()
-            layer = self._load(i)
-            probe = LayerErrorProbe(runner) if runner is not None and runner.inputs else None
-            yield i, layer
-            prefix = self.layer_name(i) + "."
-            if probe is not None:
-                err = probe.error()
-            else:
-                err = weight_error(layer, prefix, canon) if runner is None else None
-            self.layer_errors.append(err)
-            if err is not None:
-                bar.set_postfix_str(f"err={err:.2e}")
-                logger.debug("%s: relative error %.3e", self.layer_name(i), err)
-            for name in [n for n in canon if n.startswith(prefix)]:
-                canonical_to(canon[name], "cpu")
-            self._release(i, layer, canon)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.layer_seconds.append(time.perf_counter() - t0)
-        bar.close()
+        n = len(self.layers)
+        ckpt = self.checkpoint
+        start = ckpt.restore(self, canon, runner) if ckpt is not None else 0
+        bar = tqdm(range(start, n), desc=desc, unit="layer", initial=start, total=n)
+        try:
+            for i in bar:
+                if ckpt is not None:
+                    ckpt.before_layer(self, i, start, canon, runner)
+                t0 = time.perf_counter()
+                layer = self._load(i)
+                probe = LayerErrorProbe(runner) if runner is not None and runner.inputs else None
+                yield i, layer
+                prefix = self.layer_name(i) + "."
+                if probe is not None:
+                    err = probe.error()
+                else:
+                    err = weight_error(layer, prefix, canon) if runner is None else None
+                self.layer_errors.append(err)
+                if err is not None:
+                    bar.set_postfix_str(f"err={err:.2e}")
+                    logger.debug("%s: relative error %.3e", self.layer_name(i), err)
+                for name in [n for n in canon if n.startswith(prefix)]:
+                    canonical_to(canon[name], "cpu")
+                self._release(i, layer, canon)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self.layer_seconds.append(time.perf_counter() - t0)
+                if ckpt is not None:
+                    ckpt.after_layer(self, i + 1, start, canon, runner)
+            if ckpt is not None:  # what follows the layers (lm_head, the writer) must fit too
+                ckpt.before_layer(self, n, start, canon, runner)
+        finally:
+            bar.close()
 
     def capture_done(self) -> None:
         """Called once the runner holds layer 0's inputs: nothing before the layers is needed on the device now."""
@@ -211,26 +230,33 @@ class StreamedModel(CalibModel):
         self._ties = [ns for ns in names.values() if len(ns) > 1]  # tied weights: the first name owns the tensor
         # everything outside the layers but the output embedding (lm_head: big, and needed only at the end, by
         # finish(); tied to the input embedding, it is that embedding)
-        out = model.get_output_embeddings()
-        out_weight = out.weight if out is not None and out.weight is not model.get_input_embeddings().weight else None
+        out, emb = model.get_output_embeddings(), model.get_input_embeddings()
+        out_weight = out.weight if out is not None and out.weight is not emb.weight else None
         before = [n for n, p in model.named_parameters()
                   if not self._in_layers(n) and p is not out_weight]
-        self.materialize(sorted({n.rpartition(".")[0] for n in before}))
+        modules = sorted({n.rpartition(".")[0] for n in before})
+        emb_name = next(n for n, m in model.named_modules() if m is emb)
+        self.materialize([m for m in modules if m != emb_name])
+        # the input embedding serves a lookup: its table stays on the CPU, its output goes to the device
+        self.materialize([emb_name], torch.device("cpu"))
+        self._embed_hook = None
+        if device != torch.device("cpu"):
+            self._embed_hook = emb.register_forward_hook(lambda m, args, y: y.to(device))
 
     def _in_layers(self, name: str) -> bool:
         return name == self.layer_prefix or name.startswith(self.layer_prefix + ".")
 
-    def materialize(self, modules: list[str]) -> None:
+    def materialize(self, modules: list[str], device: torch.device | None = None) -> None:
         """Read the parameters (and persistent buffers) of the named modules that are still on the meta device from
-        the checkpoint onto the calibration device (direct children only, not their submodules); tied weights stay
-        tied (one tensor under every name)."""
+        the checkpoint onto ``device`` (default: the calibration device; direct children only, not their
+        submodules); tied weights stay tied (one tensor under every name)."""
         for name in modules:
             mod = self.model.get_submodule(name)
             keys = [k for k, t in mod.state_dict(keep_vars=True).items() if "." not in k and t.is_meta]
             if not keys:
                 continue
             full = [f"{name}.{k}" if name else k for k in keys]
-            tensors = self.reader.get_many(full, self.device, self.dtype)
+            tensors = self.reader.get_many(full, self.device if device is None else device, self.dtype)
             mod.load_state_dict({k: tensors[f] for k, f in zip(keys, full)}, strict=False, assign=True)
             for ns in self._ties:  # (a transform that untied them assigned a real tensor: left alone)
                 owner = self.model.get_parameter(ns[0])
@@ -247,6 +273,9 @@ class StreamedModel(CalibModel):
         self.materialize(sorted({n.rpartition(".")[0] for n in rest}))
 
     def capture_done(self) -> None:
+        if self._embed_hook is not None:
+            self._embed_hook.remove()
+            self._embed_hook = None
         moved: dict[int, nn.Parameter] = {}
         for name, mod in self.model.named_modules(remove_duplicate=False):
             if self._in_layers(name):
