@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -52,6 +53,11 @@ SCRIPT = textwrap.dedent("""
         (33, 192, 64, 8, 64, False, True, torch.float16, C(64, 64, 64, 4, 2), False),  # 8-bit sym act-order
         (7, 192, 128, 4, 64, True, False, torch.float16, C(16, 64, 64, 4, 2, factored=False), True),  # dequant form
         (33, 256, 64, 8, 128, True, True, torch.bfloat16, C(64, 64, 64, 4, 2, factored=False), True),
+        # swapped operands (out^T = W^T x^T): factored and dequant forms, split-K, ragged M / N / K, both dtypes
+        (7, 320, 192, 4, 64, True, True, torch.bfloat16, C(16, 128, 64, 4, 2, swap_ab=True), True),
+        (1, 576, 64, 4, 128, False, False, torch.float16, C(16, 64, 128, 4, 2, split_k=2, swap_ab=True), True),
+        (33, 192, 128, 8, 64, False, True, torch.float16, C(64, 64, 64, 4, 2, factored=False, swap_ab=True), False),
+        (40, 256, 128, 8, -1, True, False, torch.bfloat16, C(32, 64, 64, 4, 2, split_k=4, swap_ab=True), True),
     ]
     for i, (m, k, n, bits, gs, asym, act, dt, cfg, with_bias) in enumerate(cases):
         cw = canonical(k, n, bits, gs, asym, act, seed=i)
@@ -72,14 +78,15 @@ SCRIPT = textwrap.dedent("""
         # split-K is deterministic: a second call gives the same bits
         assert torch.equal(y, gemm.wna16_gemm(x, p, bias, path="triton-wna16", config=cfg)), i
 
-    # leading dims and the default config table
+    # leading dims and the default config tables (the swapped kernel's too)
     cw = canonical(256, 192, 4, 128, False, False, seed=11)
     p = repack.repack_wna16(cw, torch.float16)
     x = torch.randn(2, 3, 256).to(torch.float16)
-    y = gemm.wna16_gemm(x, p, path="triton-wna16")
     ref = x.reshape(6, 256).float() @ cw.dequantize(torch.float32).half().float()
-    assert y.shape == (2, 3, 192)
-    assert (y.reshape(6, 192).float() - ref).abs().max().item() <= 4e-3 * ref.abs().max().item() + 1e-3
+    for path in ("triton-wna16", "triton-wna16-swap"):
+        y = gemm.wna16_gemm(x, p, path=path)
+        assert y.shape == (2, 3, 192)
+        assert (y.reshape(6, 192).float() - ref).abs().max().item() <= 4e-3 * ref.abs().max().item() + 1e-3, path
 
     # dequantize kernel: fp16 bit-exact against the emulation and the canonical weight; bf16 within truncation
     for bits in (4, 8):
@@ -174,13 +181,32 @@ def test_wna16_kernels_compile_for_hopper_without_a_gpu():
         return triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps, "num_stages": stages})
 
-    for _, cfg in tw.CONFIG_TABLE[:1] + tw.CONFIG_TABLE[-1:]:
+    for _, cfg in tw.CONFIG_TABLE[:1] + tw.CONFIG_TABLE[-1:] + tw.SWAP_CONFIG_TABLE:
         consts = dict(BITS=4, HAS_ZP=True, HAS_BIAS=True, MAGIC=0x4300, MAGIC_C=128.0, FACTORED=cfg.factored,
-                      EVEN_K=True, EVEN_N=True, SPLIT=False, DOT_F32=False, BM=cfg.block_m, BN=cfg.block_n,
-                      BK=cfg.block_k, GROUP_M=8)
+                      EVEN_K=True, EVEN_N=True, SPLIT=False, DOT_F32=False, SWAP_AB=cfg.swap_ab, BM=cfg.block_m,
+                      BN=cfg.block_n, BK=cfg.block_k, GROUP_M=8)
         k = compile_kernel(tw._wna16_gemm_kernel, consts, cfg.num_warps, cfg.num_stages)
         ptx = k.asm["ptx"]
         assert "mma" in ptx, f"{cfg.label()}: no tensor-core instruction"
         assert ".local" not in ptx, f"{cfg.label()}: local memory in PTX"
+        if cfg.swap_ab:
+            # wgmma with the dequantized weights as its register operand A ("{a regs}, b-desc"), the tokens as
+            # its N: the weights never go through shared memory, M is not padded to 64
+            wgmma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
+            assert wgmma and all(re.search(r"\}, \{%r", line) for line in wgmma), f"{cfg.label()}: A not in registers"
+            assert f"m64n{cfg.block_m}k16" in wgmma[0], (cfg.label(), wgmma[0][:80])
     k = compile_kernel(tw._wna16_dequant_kernel, dict(BITS=8, HAS_ZP=False, BK=64, BN=256), 8, 1)
     assert "st.global" in k.asm["ptx"]
+
+
+def test_swap_kernel_is_a_table_name_with_its_own_configs():
+    from lqe.kernels import gemm, triton_wna16 as tw
+
+    table = ((16, "triton-wna16-swap"), (None, "triton-dequant+cublas"))
+    assert [n for _, n in gemm._table_for("t", True, True, False, table)] == ["triton-wna16-swap", "triton-dequant+cublas"]
+    assert [n for _, n in gemm._table_for("t", True, False, False, table)] == ["lqe-wna16-fused", "dequant+cublas"]
+    for m in (1, 16, 17, 64, 65, 4096):
+        cfg = tw.pick_config(m, 4096, 4096, swap_ab=True)
+        assert cfg.swap_ab and cfg.block_m >= min(m, 128) and cfg.block_m % 16 == 0 and cfg.block_n % 64 == 0
+        assert not tw.pick_config(m, 4096, 4096).swap_ab
+    assert tw.pick_config(1, 0, 0, swap_ab=True).label().endswith("-t")

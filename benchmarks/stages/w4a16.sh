@@ -4,7 +4,7 @@
 #   2. tests: the lqe-w4a16-mma GPU tests (every W4/W8 format, group size, M, stripes, graphs, the layer path, and
 #      a W4A16 model through the engine on the mma table: graphs give the eager tokens),
 #   3. sweep: the W4A16 M sweep on the four Llama-3-8B shapes (M = 1 .. 1024): lqe-w4a16-mma and its dequantize +
-#      cuBLAS beside the layer path lqe-w4a16, torch int4pack, triton-wna16, dequant + cuBLAS and cuBLAS bf16,
+#      cuBLAS beside the layer path lqe-w4a16, torch int4pack, triton-wna16, triton-wna16-swap, dequant + cuBLAS and cuBLAS bf16,
 #      with bytes floors; it prints the WNA16_MMA_TABLE the measurement implies -> $OUTDIR/kernels-w4a16-<gpu>.json
 #      (kept apart from kernels-<gpu>.json, which the W8A8 stage and run_gpu.sh write; rows saved shape by shape),
 #   4. e2e: the llama3-8b shape, bf16 / w4a16 (dispatch.WNA16_TABLE) / w4a16-mma (the same checkpoint on

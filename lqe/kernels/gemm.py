@@ -31,10 +31,11 @@ log = logging.getLogger(__name__)
 LARGE_M_THRESHOLD = 128
 # What a table row becomes when its kernel is unavailable here (no triton / extension not built).
 _COUNTERPART = {"lqe-wna16-fused": "triton-wna16", "triton-wna16": "lqe-wna16-fused",
+                "triton-wna16-swap": "lqe-wna16-fused",
                 "triton-dequant+cublas": "dequant+cublas", "dequant+cublas": "triton-dequant+cublas",
                 "lqe-w4a16-mma": "triton-wna16", "lqe-w4a16-mma-dequant+cublas": "triton-dequant+cublas"}
 _MMA_KERNELS = (gemm_mma.MMA_KERNEL, "lqe-w4a16-mma-dequant+cublas")
-_TRITON_KERNELS = ("triton-wna16", "triton-dequant+cublas")
+_TRITON_KERNELS = ("triton-wna16", "triton-wna16-swap", "triton-dequant+cublas")
 # Split-K aims for this many resident blocks per SM so few-tile decode shapes still fill the GPU.
 # NEEDS MEASUREMENT (memory-level parallelism vs. fix-up traffic).
 TARGET_BLOCKS_PER_SM = 4
@@ -181,9 +182,11 @@ def wna16_gemm(x: torch.Tensor, packed: PackedWNA16, bias: torch.Tensor | None =
         name = "dequant+cublas" if m > LARGE_M_THRESHOLD else "lqe-wna16-fused"
     if out is None:
         out = torch.empty(m, packed.n, dtype=x2.dtype, device=x2.device)
-    if name == "triton-wna16":
+    if name in ("triton-wna16", "triton-wna16-swap"):  # swap: triton_wna16.SWAP_CONFIG_TABLE (W^T x^T, Hopper)
         from lqe.kernels import triton_wna16
 
+        if config is None and name == "triton-wna16-swap":
+            config = triton_wna16.pick_config(m, packed.n, packed.k, swap_ab=True)
         triton_wna16.gemm(x2, packed, bias, out, config)
     elif name == "triton-dequant+cublas":
         from lqe.kernels import triton_wna16

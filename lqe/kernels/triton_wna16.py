@@ -22,6 +22,15 @@ it spilled.) Split-K writes fp32 partials ``[S, M, N]`` that a second kernel sum
 (deterministic, no atomics, no host sync): every launch parameter is a host function of shapes, so the calls
 can be captured in a CUDA graph.
 
+Swapped operands (``swap_ab``, Hopper): the kernel computes ``out^T = W^T @ x^T``, so the dequantized weight
+tile is the first ``tl.dot`` operand and the activation tile the second. On sm_90 Triton then issues ``wgmma`` with
+the weights in registers (``A`` from registers is what wgmma allows; ``B`` must come from shared memory): the
+dequantized weights never go through shared memory, the activations arrive there by ``cp.async``, and the token
+count is wgmma's N (8..256), so M = 16 needs no padding to a 64-row tile. Without the swap the dequantized weights are
+wgmma's ``B`` and are stored to shared memory first (the instruction count above); at M <= 64 the tile's 64 wgmma
+rows are mostly padding. (sm_90 PTX from Triton 3.9: ``wgmma.mma_async ... m64n16k16 ... {a registers}, b-desc``;
+``tests/test_triton_wna16.py`` checks it.) Same layout, same arithmetic per weight, same split-K.
+
 Configs come from :func:`pick_config` (a small table per M bucket, then split-K from the SM count), never
 from ``triton.autotune`` at call time; :func:`sweep_configs` lists the candidates ``benchmarks/kernels.py
 --wna16-sweep`` times so the table can be chosen from one GPU run.
@@ -57,10 +66,12 @@ class WNA16Config:
     num_stages: int = 4
     split_k: int = 0
     factored: bool = True
+    swap_ab: bool = False  # out^T = W^T x^T: the weights are the dot's register operand (wgmma A on Hopper)
 
     def label(self) -> str:
         return (f"m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
-                f"{'' if self.split_k == 0 else f'x{self.split_k}'}{'' if self.factored else '-dq'}")
+                f"{'' if self.split_k == 0 else f'x{self.split_k}'}{'' if self.factored else '-dq'}"
+                f"{'-t' if self.swap_ab else ''}")
 
 
 # Per M bucket (first row with max_m >= M). NEEDS MEASUREMENT: `benchmarks/kernels.py --wna16-sweep` prints
@@ -72,6 +83,17 @@ CONFIG_TABLE: list[tuple[int | None, WNA16Config]] = [
     (32, WNA16Config(32, 128, 128, 4, 4)),
     (64, WNA16Config(64, 128, 64, 4, 4)),
     (None, WNA16Config(128, 128, 64, 8, 3, factored=False)),
+]
+# The swapped-operand kernel per M bucket (``triton-wna16-swap``): BLOCK_N is wgmma's M (64 per warp group), BLOCK_M
+# its N (the tokens). NOT MEASURED: a candidate the kernel benchmark times beside the table above (row
+# "triton-wna16-swap"); dispatch.WNA16_TABLE names it once it wins. Registers on sm_90 (Triton 3.9 PTX, ptxas, bf16
+# 4-bit / fp16 8-bit): 167 / 218 / 182 / 254, no spills. Measured there and left out: m64n128k64 with 4 warps (96 B
+# of spills), m128n128k64 factored (48), every 256-token tile and every 16-warp tile (hundreds).
+SWAP_CONFIG_TABLE: list[tuple[int | None, WNA16Config]] = [
+    (16, WNA16Config(16, 128, 128, 4, 4, swap_ab=True)),
+    (32, WNA16Config(32, 128, 128, 4, 4, swap_ab=True)),
+    (64, WNA16Config(64, 128, 64, 8, 4, swap_ab=True)),
+    (None, WNA16Config(128, 128, 64, 8, 4, factored=False, swap_ab=True)),
 ]
 CTAS_PER_SM = 2  # split-K aims for this many CTAs per SM. NEEDS MEASUREMENT
 MIN_K_BLOCKS_PER_SPLIT = 4  # never split K finer than this many BLOCK_K blocks
@@ -121,12 +143,14 @@ def resolve(cfg: WNA16Config, m: int, n: int, k: int, group_size: int,
     return replace(cfg, block_k=bk, split_k=split), split, kblocks // split
 
 
-def pick_config(m: int, n: int, k: int) -> WNA16Config:
-    """The table's config for ``m`` tokens (block_k and split-K are fitted later by :func:`resolve`)."""
-    for max_m, cfg in CONFIG_TABLE:
+def pick_config(m: int, n: int, k: int, swap_ab: bool = False) -> WNA16Config:
+    """The table's config for ``m`` tokens (:data:`SWAP_CONFIG_TABLE` with ``swap_ab``; block_k and split-K are
+    fitted later by :func:`resolve`)."""
+    table = SWAP_CONFIG_TABLE if swap_ab else CONFIG_TABLE
+    for max_m, cfg in table:
         if max_m is None or m <= max_m:
             return cfg
-    return CONFIG_TABLE[-1][1]
+    return table[-1][1]
 
 
 def sweep_configs(m: int) -> list[WNA16Config]:
@@ -144,8 +168,11 @@ def sweep_configs(m: int) -> list[WNA16Config]:
         out = [C(128, 128, 64, 8, st, factored=False) for st in (3, 4)]
         out += [C(128, 256, 64, 8, 3, factored=False), C(64, 128, 64, 4, 4), C(64, 256, 64, 8, 3, factored=False),
                 C(128, 128, 32, 4, 4, factored=False), C(128, 128, 64, 8, 3)]
+    swapped = pick_config(m, 0, 0, swap_ab=True)  # the swapped-operand kernel's table config and neighbours
+    out += [swapped, replace(swapped, block_n=64)] if m <= 64 else \
+        [swapped, replace(swapped, num_stages=3), pick_config(64, 0, 0, swap_ab=True)]
     first = pick_config(m, 0, 0)
-    return [first] + [c for c in out if c != first]
+    return [first] + list(dict.fromkeys(c for c in out if c != first))
 
 
 # --------------------------------------------------------------------------------------------------- kernels
@@ -196,7 +223,7 @@ if triton is not None:
                            BITS: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
                            MAGIC: tl.constexpr, MAGIC_C: tl.constexpr, FACTORED: tl.constexpr,
                            EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
-                           BM: tl.constexpr, BN: tl.constexpr,
+                           SWAP_AB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                            BK: tl.constexpr, GROUP_M: tl.constexpr):
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -228,7 +255,10 @@ if triton is not None:
         w_ptrs = QW + kt.to(tl.int64)[:, None] * row_words + wc[None, :]
         s_ptrs = S + scol
         z_ptrs = Z + scol
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if SWAP_AB:
+            acc = tl.zeros((BN, BM), dtype=tl.float32)  # out^T: the weights are the dot's first operand
+        else:
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
         for it in range(k_iters):  # splits divide the K blocks evenly: no empty or ragged split
             k0 = k_lo + it * BK
             if EVEN_K:
@@ -252,25 +282,33 @@ if triton is not None:
                     z = tl.load(z_ptrs + g_off, mask=n_mask, other=0.0).to(tl.float32)
             else:
                 z = tl.full((BN,), 1 << (BITS - 1), tl.float32)
+            if DOT_F32:  # interpreter: its bf16 arithmetic and dot are wrong, stay in fp32
+                x = x.to(tl.float32)
             if FACTORED:
                 if MAGIC != 0:
                     qf = (q | MAGIC).to(tl.int16).to(dt, bitcast=True)  # = MAGIC_C + q, exactly
                 else:
                     qf = q.to(tl.float32).to(dt)  # exact: codes < 256
-                if DOT_F32:  # interpreter: its bf16 arithmetic and dot are wrong, stay in fp32
-                    d = tl.dot(x.to(tl.float32), qf.to(tl.float32) - (z + MAGIC_C)[None, :])
+                if DOT_F32:
+                    qf = qf.to(tl.float32) - (z + MAGIC_C)[None, :]
                 else:
                     qf = qf - (z + MAGIC_C).to(dt)[None, :]  # q - z: exact small integers (packed HSUB2)
-                    d = tl.dot(x, qf)
-                acc += d * s[None, :]
+                if SWAP_AB:
+                    acc += tl.dot(tl.trans(qf), tl.trans(x)) * s[:, None]
+                else:
+                    acc += tl.dot(x, qf) * s[None, :]
             else:
                 w = ((q.to(tl.float32) - z[None, :]) * s[None, :]).to(dt)
                 if DOT_F32:
-                    acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc)
+                    w = w.to(tl.float32)
+                if SWAP_AB:
+                    acc = tl.dot(tl.trans(w), tl.trans(x), acc)
                 else:
                     acc = tl.dot(x, w, acc)
             x_ptrs += BK
             w_ptrs += KT * row_words
+        if SWAP_AB:
+            acc = tl.trans(acc)
         mask = (offs_m[:, None] < M) & n_mask[None, :]
         if SPLIT:
             tl.store(Part + (pid_k * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :], acc, mask=mask)
@@ -345,7 +383,7 @@ def gemm(x: torch.Tensor, p: PackedWNA16, bias: torch.Tensor | None = None, out:
         out, part, m, n, k, p.group_size, k_iters, x.stride(0), out.stride(0),
         BITS=p.bits, HAS_ZP=p.zeros is not None, HAS_BIAS=bias is not None, MAGIC=magic, MAGIC_C=magic_c,
         FACTORED=cfg.factored, EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, SPLIT=split > 1,
-        DOT_F32=_INTERPRET and x.dtype == torch.bfloat16,
+        DOT_F32=_INTERPRET and x.dtype == torch.bfloat16, SWAP_AB=cfg.swap_ab,
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:

@@ -120,9 +120,19 @@ def test_triton_all_formats(dtype, bits, gs, asym, act_order, m):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("gs", [32, 64, 128, -1])
+@pytest.mark.parametrize("asym,act_order", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("m", [7, 100])
+def test_triton_swap_all_formats(dtype, bits, gs, asym, act_order, m):
+    """The swapped-operand kernel (out^T = W^T x^T, its own config table) on every format."""
+    run_case(m, 1024, 256, bits, gs, asym, act_order, dtype, "triton-wna16-swap")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("k,n", SHAPES + [(576, 1536), (14336, 4096)])
-@pytest.mark.parametrize("path", ["triton-wna16", "triton-dequant+cublas"])
+@pytest.mark.parametrize("path", ["triton-wna16", "triton-wna16-swap", "triton-dequant+cublas"])
 def test_triton_all_m(dtype, m, k, n, path):
     run_case(m, k, n, 4, 128, False, False, dtype, path)
 
