@@ -1,7 +1,8 @@
 """End-to-end GPU benchmark (issue 7): random-weight models shaped like real ones, bf16 / W4A16 / W8A8.
 
 Variants: ``bf16``; ``w4a16`` (GPTQ W4 g128 on ``dispatch.WNA16_TABLE``) and ``w4a16-mma`` (the same checkpoint on
-``dispatch.WNA16_MMA_TABLE``: the lqe-w4a16-mma GEMM, issue 24); ``w8a8`` (a converted W8A8 checkpoint),
+``dispatch.WNA16_MMA_TABLE``: the lqe-w4a16-mma GEMM, issue 24), ``w4a16-swap`` (the same on ``WNA16_SWAP_TABLE``: the
+swapped-operand Triton GEMM); ``w8a8`` (a converted W8A8 checkpoint),
 ``w8a8-online`` and ``fp8`` (the bf16 checkpoint quantized at load time, issue 25).
 
 Per (model shape, variant) it measures, through the public API (``LLM.generate`` on token-id prompts, greedy,
@@ -77,11 +78,12 @@ SHAPES = {  # HF config fields of the real models; weights are random
                                    num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0,
                                    max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True)),
 }
-VARIANTS = {"bf16": None, "w4a16": "gptq", "w4a16-mma": "gptq", "w8a8": "w8a8", "w8a8-online": "online:int8",
+VARIANTS = {"bf16": None, "w4a16": "gptq", "w4a16-mma": "gptq", "w4a16-swap": "gptq", "w8a8": "w8a8", "w8a8-online": "online:int8",
             "fp8": "online:fp8"}  # variant -> tools.convert --format
 # ("online:<kind>": the bf16 checkpoint loaded with quantization=<kind>: per-channel weights, dynamic per-token
 # activations, quantized at load time; issue 25)
-VARIANT_ENV = {"w4a16-mma": {"LQE_WNA16_TABLE": "mma"}}  # the w4a16 checkpoint on dispatch.WNA16_MMA_TABLE (issue 24)
+# the w4a16 checkpoint on a candidate table (issue 24): dispatch.WNA16_MMA_TABLE / WNA16_SWAP_TABLE
+VARIANT_ENV = {"w4a16-mma": {"LQE_WNA16_TABLE": "mma"}, "w4a16-swap": {"LQE_WNA16_TABLE": "swap"}}
 MAX_MODEL_LEN = 2048 + 64
 SHARD_BYTES = 4 << 30
 

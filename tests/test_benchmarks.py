@@ -194,6 +194,12 @@ def test_e2e_gpu_variant_env_is_scoped(monkeypatch):
     assert os.environ["LQE_WNA16_TABLE"] == "default"
     with e2e_gpu.variant_env("bf16"):
         assert os.environ["LQE_WNA16_TABLE"] == "default"
+    with e2e_gpu.variant_env("w4a16-swap"):
+        assert gemm.active_table() is dispatch.WNA16_SWAP_TABLE
+    assert e2e_gpu.VARIANTS["w4a16-swap"] == "gptq"
+    monkeypatch.setenv("LQE_WNA16_TABLE", "fastest")
+    with pytest.raises(ValueError, match="'mma'.*'swap'"):
+        gemm.active_table()
 
 
 def test_step_host_time_runs_on_cpu(tmp_path):

@@ -7,8 +7,8 @@
 #      cuBLAS beside the layer path lqe-w4a16, torch int4pack, triton-wna16, triton-wna16-swap, dequant + cuBLAS and cuBLAS bf16,
 #      with bytes floors; it prints the WNA16_MMA_TABLE the measurement implies -> $OUTDIR/kernels-w4a16-<gpu>.json
 #      (kept apart from kernels-<gpu>.json, which the W8A8 stage and run_gpu.sh write; rows saved shape by shape),
-#   4. e2e: the llama3-8b shape, bf16 / w4a16 (dispatch.WNA16_TABLE) / w4a16-mma (the same checkpoint on
-#      dispatch.WNA16_MMA_TABLE), same run, no eager columns, LQE_W4A16_REQUESTS (default 64) requests
+#   4. e2e: the llama3-8b shape, bf16 / w4a16 (dispatch.WNA16_TABLE) / w4a16-mma and w4a16-swap (the same
+#      checkpoint on dispatch.WNA16_MMA_TABLE / WNA16_SWAP_TABLE; LQE_W4A16_VARIANTS narrows them), same run, no eager columns, LQE_W4A16_REQUESTS (default 64) requests
 #      -> $OUTDIR/e2e-<gpu>.json. It rarely fits after steps 2-3 in one call: run it alone with
 #      LQE_SKIP="tests sweep" bash benchmarks/run_gpu.sh --w4a16
 # then $OUTDIR/w4a16-stage-<gpu>.json (exit codes, seconds). Time limits (s): LQE_TEST_TIMEOUT (240),
@@ -29,9 +29,9 @@ if [[ $BUILD_RC -eq 0 ]]; then
     rc_sweep=${PIPESTATUS[0]}
   fi
   if ! skip e2e; then
-    echo "== e2e llama3-8b: bf16, w4a16, w4a16-mma"
+    echo "== e2e llama3-8b: ${LQE_W4A16_VARIANTS:=bf16,w4a16,w4a16-mma,w4a16-swap}"
     timeout "$(budget "${LQE_E2E_TIMEOUT:-400}")" python benchmarks/e2e_gpu.py --shapes llama3-8b \
-      --variants bf16,w4a16,w4a16-mma --num-requests "${LQE_W4A16_REQUESTS:-64}" --no-eager --out-dir "$OUTDIR" \
+      --variants "$LQE_W4A16_VARIANTS" --num-requests "${LQE_W4A16_REQUESTS:-64}" --no-eager --out-dir "$OUTDIR" \
       > "$LOGDIR/w4a16-e2e.log" 2>&1
     rc_e2e=$?
     grep -E "^\[" "$LOGDIR/w4a16-e2e.log"

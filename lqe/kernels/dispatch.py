@@ -28,7 +28,14 @@ WNA16_TABLE: list[tuple[int | None, str]] = [
 # "triton-wna16-swap" (lqe/kernels/triton_wna16.py, swap_ab; its configs per M in SWAP_CONFIG_TABLE): the same Triton
 # GEMM on the same packed weights computing out^T = W^T x^T, so on Hopper the dequantized weights are wgmma's register
 # operand (never stored to shared memory) and the tokens are wgmma's N (M = 16 is not padded to 64 rows). NOT
-# MEASURED YET: benchmarks/kernels.py times it as the row "triton-wna16-swap" beside "triton-wna16".
+# MEASURED YET: benchmarks/kernels.py times it as the row "triton-wna16-swap" beside "triton-wna16"; a model runs it
+# on WNA16_SWAP_TABLE with LQE_WNA16_TABLE=swap (e2e_gpu.py's variant w4a16-swap), the hypothesis to measure: the
+# swapped GEMM in place of triton-wna16, and above it while its 128-token tiles beat dequantize + cuBLAS.
+WNA16_SWAP_TABLE: list[tuple[int | None, str]] = [
+    (4, "lqe-wna16-fused"),
+    (256, "triton-wna16-swap"),  # guessed crossover
+    (None, "triton-dequant+cublas"),
+]
 # "lqe-w4a16-mma" (issue 24; csrc/gemm/w4a16_mma.cu): the Marlin-class tensor-core GEMM (persistent stripes,
 # 4-stage cp.async, in-L2 reduction; 64-row problems), on its own weight layout (lqe/kernels/repack_mma.py), with
 # "lqe-w4a16-mma-dequant+cublas" (its dequantize, then cuBLAS) above the crossover. NOT MEASURED YET, so it is

@@ -112,12 +112,18 @@ def triton_reason(device: torch.device | str) -> str | None:
     return triton_wna16.unavailable_reason(device)
 
 
+_TABLES = {"": "WNA16_TABLE", "default": "WNA16_TABLE", "mma": "WNA16_MMA_TABLE", "swap": "WNA16_SWAP_TABLE"}
+
+
 def active_table() -> list[tuple[int | None, str]]:
-    """``dispatch.WNA16_TABLE``, or ``dispatch.WNA16_MMA_TABLE`` when ``LQE_WNA16_TABLE=mma``."""
+    """``dispatch.WNA16_TABLE``, or the candidate ``dispatch.WNA16_MMA_TABLE`` / ``WNA16_SWAP_TABLE`` when
+    ``LQE_WNA16_TABLE`` is ``mma`` / ``swap`` (the e2e benchmark's variants, before a measurement makes one the
+    default)."""
     choice = os.environ.get("LQE_WNA16_TABLE", "").strip().lower()
-    if choice not in ("", "default", "mma"):
-        raise ValueError(f"LQE_WNA16_TABLE={choice!r}: use 'mma' (dispatch.WNA16_MMA_TABLE) or leave it unset")
-    return dispatch.WNA16_MMA_TABLE if choice == "mma" else dispatch.WNA16_TABLE
+    if choice not in _TABLES:
+        raise ValueError(f"LQE_WNA16_TABLE={choice!r}: use 'mma' (dispatch.WNA16_MMA_TABLE), 'swap' "
+                         "(dispatch.WNA16_SWAP_TABLE) or leave it unset")
+    return getattr(dispatch, _TABLES[choice])
 
 
 def table_uses_mma(table: list[tuple[int | None, str]] | None = None) -> bool:

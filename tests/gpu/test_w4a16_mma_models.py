@@ -1,8 +1,10 @@
-"""GPU: the weight-only checkpoint formats of the model matrix through the engine on ``dispatch.WNA16_MMA_TABLE``
-(``LQE_WNA16_TABLE=mma``: lqe-w4a16-mma, issue 24): every quantized layer runs the mma kernel (K that no 64-group
-divides included: it pads K), the prompt logprobs are as close to the CPU fp32 reference as the torch path's, and
-CUDA-graph decode gives the eager tokens (each request alone token for token; batched by the matrix's near-tie
-rule). The kernel itself is tested against its CPU emulation in test_gemm_w4a16_mma.py."""
+"""GPU: the weight-only checkpoint formats of the model matrix through the engine on each candidate W4A16 table of
+issue 24: ``dispatch.WNA16_MMA_TABLE`` (``LQE_WNA16_TABLE=mma``: every quantized layer runs the lqe-w4a16-mma kernel,
+K that no 64-group divides included: it pads K) and ``dispatch.WNA16_SWAP_TABLE`` (``swap``: the swapped-operand
+Triton GEMM for the 12-token prompt and the 8-row decode graphs). The prompt logprobs are as close to the CPU fp32
+reference as the torch path's, and CUDA-graph decode gives the eager tokens (each request alone token for token;
+batched by the matrix's near-tie rule). The mma kernel itself is tested against its CPU emulation in
+test_gemm_w4a16_mma.py, the swapped GEMM against the reference in test_gemm_wna16.py."""
 from __future__ import annotations
 
 import pytest
@@ -24,17 +26,22 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
     return build_checkpoints(str(tmp_path_factory.mktemp("mma-matrix")), NAMES)
 
 
-@pytest.fixture(autouse=True)
-def mma_table(monkeypatch):
-    monkeypatch.setenv("LQE_WNA16_TABLE", "mma")
+# LQE_WNA16_TABLE -> words every quantized layer's path description holds (the layout its layers are repacked into)
+TABLES = {"mma": "lqe-w4a16-mma (", "swap": ": triton-wna16-swap"}  # (swap: a row of the table it names)
+
+
+@pytest.fixture(autouse=True, params=list(TABLES))
+def table(request, monkeypatch):
+    monkeypatch.setenv("LQE_WNA16_TABLE", request.param)
+    return request.param
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", NAMES)
-def test_format_on_mma_matches_cpu_fp32(name, dtype, checkpoints, monkeypatch):
+def test_format_on_table_matches_cpu_fp32(name, dtype, checkpoints, monkeypatch, table):
     want = cpu_reference(checkpoints[name])
     got, paths = prompt_logprobs(checkpoints[name], "cuda", dtype)
-    assert paths and all("lqe-w4a16-mma (" in p for p in paths), paths
+    assert paths and all(TABLES[table] in p for p in paths), paths
     with monkeypatch.context() as m:
         m.setenv("LQE_DISABLE_CUDA_KERNELS", "1")
         torch_path, _ = prompt_logprobs(checkpoints[name], "cuda", dtype)
@@ -45,7 +52,7 @@ def test_format_on_mma_matches_cpu_fp32(name, dtype, checkpoints, monkeypatch):
 
 
 @pytest.mark.parametrize("name", GRAPH_NAMES)
-def test_mma_graphs_equal_eager(name, checkpoints):
+def test_table_graphs_equal_eager(name, checkpoints):
     g_alone, g_batched, g = test_cuda_graphs._run(checkpoints[name], eager=False)
     e_alone, e_batched, e = test_cuda_graphs._run(checkpoints[name], eager=True)
     for i, (a, b) in enumerate(zip(e_alone, g_alone)):
