@@ -29,7 +29,11 @@ dequantized weights never go through shared memory, the activations arrive there
 count is wgmma's N (8..256), so M = 16 needs no padding to a 64-row tile. Without the swap the dequantized weights are
 wgmma's ``B`` and are stored to shared memory first (the instruction count above); at M <= 64 the tile's 64 wgmma
 rows are mostly padding. (sm_90 PTX from Triton 3.9: ``wgmma.mma_async ... m64n16k16 ... {a registers}, b-desc``;
-``tests/test_triton_wna16.py`` checks it.) Same layout, same arithmetic per weight, same split-K.
+``tests/test_triton_wna16.py`` checks it.) Same layout, same arithmetic per weight, same split-K. Counted first
+(sm_90 SASS of the K loop, Triton 3.9, bf16 4-bit, BK=BN=128): 5.1 thread-instructions per weight swapped against 6.7
+plain (the STS of the dequantized tile and its PRMTs are gone). An H100 issues about 33e12 thread-instructions/s
+and streams 6.7e12 4-bit weights/s, so about 5 instructions per weight is the budget at which a decode-sized M is
+still bandwidth-bound: the plain kernel can reach ~75 % of the weight stream, the swapped one about all of it.
 
 Configs come from :func:`pick_config` (a small table per M bucket, then split-K from the SM count), never
 from ``triton.autotune`` at call time; :func:`sweep_configs` lists the candidates ``benchmarks/kernels.py
