@@ -33,7 +33,8 @@ rows are mostly padding. (sm_90 PTX from Triton 3.9: ``wgmma.mma_async ... m64n1
 (sm_90 SASS of the K loop, Triton 3.9, bf16 4-bit, BK=BN=128): 5.1 thread-instructions per weight swapped against 6.7
 plain (the STS of the dequantized tile and its PRMTs are gone). An H100 issues about 33e12 thread-instructions/s
 and streams 6.7e12 4-bit weights/s, so about 5 instructions per weight is the budget at which a decode-sized M is
-still bandwidth-bound: the plain kernel can reach ~75 % of the weight stream, the swapped one about all of it.
+still bandwidth-bound: by this count alone the plain kernel can stream weights at ~75 % of copy speed, the
+swapped one at ~98 % (an upper bound: the GPU measures the rest).
 
 Configs come from :func:`pick_config` (a small table per M bucket, then split-K from the SM count), never
 from ``triton.autotune`` at call time; :func:`sweep_configs` lists the candidates ``benchmarks/kernels.py
