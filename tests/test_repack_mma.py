@@ -196,3 +196,18 @@ def test_tables_resolve_to_one_layout(monkeypatch):
         gemm.active_table()
     monkeypatch.delenv("LQE_WNA16_TABLE")
     assert gemm.active_table() is dispatch.WNA16_TABLE
+
+
+def test_mma_workspace_grows_and_keeps_what_graphs_captured_earlier_address():
+    """The fp32 workspace and zeroed locks are one buffer per device, grown by reserve_workspace at load; a buffer a
+    larger layer replaces stays alive (a graph captured for an earlier model still reads and writes it)."""
+    from lqe.kernels import gemm_mma
+
+    dev = torch.device("cpu", 7)  # a key of its own (CPU tensors: no capture, the bookkeeping is the same)
+    first = gemm_mma.reserve_workspace(dev, 256)
+    assert first[0].numel() == 64 * 256 and first[1].numel() == 1 and not first[1].any()
+    assert gemm_mma.reserve_workspace(dev, 256)[0] is first[0]  # fits: the same buffers
+    grown = gemm_mma.reserve_workspace(dev, 1024)
+    assert grown[0].numel() == 64 * 1024 and grown[1].numel() == 4 and not grown[1].any()
+    assert any(ws is first[0] and lk is first[1] for ws, lk in gemm_mma._retired)
+    assert gemm_mma.reserve_workspace(dev, 512)[0] is grown[0]  # a smaller layer reuses the larger buffer

@@ -20,6 +20,9 @@ MMA_KERNEL = "lqe-w4a16-mma"
 MMA_DEQUANT_NAMES = ("dequant+cublas", "triton-dequant+cublas", "lqe-w4a16-mma-dequant+cublas")
 
 _workspaces: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+# Buffers a larger reserve replaced: a CUDA graph captured earlier (another model's, in the same process) still
+# addresses them, so they stay alive instead of going back to the caching allocator.
+_retired: list[tuple[torch.Tensor, torch.Tensor]] = []
 
 
 def reserve_workspace(device: torch.device | str, n_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,6 +36,8 @@ def reserve_workspace(device: torch.device | str, n_pad: int) -> tuple[torch.Ten
             raise RuntimeError(f"lqe-w4a16-mma: workspace for n_pad={n_pad} was not reserved before CUDA graph "
                                "capture; call lqe.kernels.gemm_mma.reserve_workspace at load time")
         size = max(MAX_ROWS * n_pad, 0 if ws is None else ws.numel())
+        if ws is not None:
+            _retired.append((ws, locks))
         ws = torch.empty(size, dtype=torch.float32, device=device)
         locks = torch.zeros(max(size // (MAX_ROWS * TILE_N), 1), dtype=torch.int32, device=device)
         _workspaces[key] = (ws, locks)
