@@ -9,7 +9,7 @@ exceeds the GPU work. This tool drives the real engine (``LLMEngine.step``) thro
 * ``forward``: the model forward (``forward_per_layer`` = forward / layers): ``model.forward`` on the eager path,
   ``PiecewiseRunner.run`` (every piece replayed, attention between them) on the piecewise path; of which
   ``attention`` is the attention layers (``Attention.attend``: store K/V + attend, called by both paths) and
-  ``forward_rest`` the other ops (on the piecewise path: the replays and the copies of the attention outputs);
+  ``forward_rest`` the other ops (on the piecewise path: the replays; attention writes into the static buffers the pieces read);
 * ``sample``: LM head on the sampled rows + sampler (includes the step's one device-to-host copy);
 * ``other``: the rest of ``step()``: the sampling batch and output processing (appending tokens, stop checks).
 

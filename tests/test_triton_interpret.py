@@ -51,6 +51,10 @@ SCRIPT = """
     ref.store_kv(k, v, cache_ref, meta.slot_mapping)
     torch.testing.assert_close(cache, cache_ref)
     torch.testing.assert_close(got, ref.paged_attention_ref(q, cache_ref, meta, 0.2), atol=1e-4, rtol=1e-4)
+    # with out= (the piecewise replay's static buffer) the result lands there, the same values
+    buf = torch.full_like(q, float("nan"))
+    assert backend.forward(q, k, v, cache, meta, 0.2, out=buf) is buf
+    torch.testing.assert_close(buf, got, atol=0, rtol=0)
     print("TRITON-INTERPRET-OK")
 """
 

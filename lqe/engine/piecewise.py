@@ -16,7 +16,7 @@ The design is in :mod:`lqe.engine.token_buckets`. Here:
 
 The static q/k/v/output buffers are shared by every layer and every bucket (sized for the largest bucket):
 replay is sequential on one stream, so layer ``i + 1``'s piece overwrites them only after layer ``i``'s
-attention and the piece reading its output ran. Costs one copy of q/k/v and of the attention output per layer.
+attention and the piece reading its output ran. Costs one copy of q/k/v per layer (attention writes its output into the static buffer itself).
 
 The graph mechanism is injected (:mod:`lqe.engine.graph_backends`): CUDA graphs on a GPU, a recording of the
 aten ops over the same static tensors on CPU (tests prove the piecewise step equals the eager one there).
@@ -168,6 +168,6 @@ class PiecewiseRunner:
         meta = inp.meta
         for piece, (layer, (sq, sk, sv, so)) in zip(g.pieces, g.layers):
             piece.replay()
-            so[:bucket].copy_(layer.attend(sq[:bucket], sk[:bucket], sv[:bucket], meta, self.kv_caches[layer.layer_idx]))
+            layer.attend(sq[:bucket], sk[:bucket], sv[:bucket], meta, self.kv_caches[layer.layer_idx], out=so[:bucket])
         g.pieces[-1].replay()
         return self.hidden[:bucket]

@@ -41,17 +41,25 @@ class AttentionBackend(Protocol):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
-                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """``query [T, H, D]``, ``key``/``value`` ``[T, KVH, D]`` -> ``[T, H, D]``; stores K/V first (quantized
-        with ``k_scale`` / ``v_scale`` when ``kv_cache`` is fp8)."""
+        with ``k_scale`` / ``v_scale`` when ``kv_cache`` is fp8). With ``out`` (``[T, H, D]``) the result is
+        written there and ``out`` returned (the piecewise replay's static buffer: no copy after)."""
 
 
 class TorchAttentionBackend:
     name = "torch"
 
-    def forward(self, query, key, value, kv_cache, meta, scale, k_scale=None, v_scale=None):
+    def forward(self, query, key, value, kv_cache, meta, scale, k_scale=None, v_scale=None, out=None):
         ref.store_kv(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
-        return ref.paged_attention_ref(query, kv_cache, meta, scale, k_scale, v_scale)
+        return _into(out, ref.paged_attention_ref(query, kv_cache, meta, scale, k_scale, v_scale))
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """``result``, copied into ``out`` when the caller gave one (backends whose kernels allocate their output)."""
+    if out is None:
+        return result
+    return out.copy_(result)
 
 
 class TritonAttentionBackend:
@@ -59,9 +67,9 @@ class TritonAttentionBackend:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
-                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         _ta.store_kv(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
-        return _ta.paged_attention(query, kv_cache, meta, scale, k_scale=k_scale, v_scale=v_scale)
+        return _ta.paged_attention(query, kv_cache, meta, scale, out=out, k_scale=k_scale, v_scale=v_scale)
 
 
 class _CuSeqlensK:
@@ -87,10 +95,10 @@ class FlashAttnBackend:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
-                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         if (meta.block_size % FLASH_ATTN_BLOCK_MULTIPLE or query.dtype not in (torch.float16, torch.bfloat16)
                 or ref.is_fp8(kv_cache.dtype)):  # FlashAttention-2 reads no fp8 cache
-            return _fallback(query, key, value, kv_cache, meta, scale, k_scale, v_scale)
+            return _fallback(query, key, value, kv_cache, meta, scale, k_scale, v_scale, out)
         if _ta is not None:
             _ta.store_kv(key, value, kv_cache, meta.slot_mapping)
         else:
@@ -99,30 +107,26 @@ class FlashAttnBackend:
         if meta.is_decode_only:
             b = meta.num_seqs
             # one token per sequence, in sequence order: tokens past query_start_loc[-1] are padding
-            out = flash_attn_with_kvcache(query[:b].unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
-                                          block_table=meta.block_tables, softmax_scale=scale, causal=True)
-            if query.shape[0] == b:
-                return out.squeeze(1)
-            full = torch.zeros_like(query)
-            full[:b] = out.squeeze(1)
-            return full
-        n = meta.query_start_loc_cpu[-1]
-        out = flash_attn_varlen_func(
-            query[:n], k_cache, v_cache, cu_seqlens_q=meta.query_start_loc, cu_seqlens_k=_cu_seqlens_k(meta),
-            max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_seq_len, softmax_scale=scale, causal=True,
-            block_table=meta.block_tables,
-        )
-        if n == query.shape[0]:
-            return out
-        full = torch.zeros_like(query)
-        full[:n] = out
+            res = flash_attn_with_kvcache(query[:b].unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
+                                          block_table=meta.block_tables, softmax_scale=scale, causal=True).squeeze(1)
+        else:
+            b = meta.query_start_loc_cpu[-1]
+            res = flash_attn_varlen_func(
+                query[:b], k_cache, v_cache, cu_seqlens_q=meta.query_start_loc, cu_seqlens_k=_cu_seqlens_k(meta),
+                max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_seq_len, softmax_scale=scale, causal=True,
+                block_table=meta.block_tables,
+            )
+        if b == query.shape[0]:
+            return _into(out, res)
+        full = torch.zeros_like(query) if out is None else out.zero_()  # rows past b: padding tokens
+        full[:b] = res
         return full
 
 
-def _fallback(query, key, value, kv_cache, meta, scale, k_scale=None, v_scale=None):
+def _fallback(query, key, value, kv_cache, meta, scale, k_scale=None, v_scale=None, out=None):
     if _ta is not None and query.is_cuda:
-        return TritonAttentionBackend().forward(query, key, value, kv_cache, meta, scale, k_scale, v_scale)
-    return TorchAttentionBackend().forward(query, key, value, kv_cache, meta, scale, k_scale, v_scale)
+        return TritonAttentionBackend().forward(query, key, value, kv_cache, meta, scale, k_scale, v_scale, out)
+    return TorchAttentionBackend().forward(query, key, value, kv_cache, meta, scale, k_scale, v_scale, out)
 
 
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": TorchAttentionBackend}

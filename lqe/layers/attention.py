@@ -70,9 +70,11 @@ class Attention(nn.Module):
             return ctx.split_attention(self, q, k, v)
         return self.attend(q, k, v, ctx.attn_metadata, ctx.kv_caches[self.layer_idx])
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, cache: torch.Tensor) -> torch.Tensor:
-        """Store ``k``/``v`` and attend with ``meta`` over this layer's ``cache``: ``[T, heads * head_dim]``. The
-        piecewise-graph replay calls it between two captured pieces with the step's real metadata."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, cache: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Store ``k``/``v`` and attend with ``meta`` over this layer's ``cache``: ``[T, heads * head_dim]`` (in
+        ``out`` when given: the piecewise-graph replay, which calls it between two captured pieces with the step's
+        real metadata, passes the static buffer the next piece reads)."""
         t = q.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -82,8 +84,9 @@ class Attention(nn.Module):
         if self.calculate_kv_scales:
             self.calc_kv_scales(k, v, meta.slot_mapping)
         scales = (self.k_scale, self.v_scale) if cache.element_size() == 1 else ()
-        out = self.backend.forward(q, k, v, cache, meta, self.scale, *scales)
-        return out.reshape(t, self.num_heads * self.head_dim)
+        dst = None if out is None else out.view(t, self.num_heads, self.head_dim)
+        res = self.backend.forward(q, k, v, cache, meta, self.scale, *scales, out=dst)
+        return res.reshape(t, self.num_heads * self.head_dim)
 
     @torch.no_grad()
     def calc_kv_scales(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
