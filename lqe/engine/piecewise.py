@@ -45,7 +45,9 @@ class _BucketGraphs:
 
     def __init__(self) -> None:
         self.pieces: list = []  # layers + 1 replayable pieces
-        self.layers: list = []  # (Attention module, its static q/k/v/out) between piece i and piece i + 1
+        # (Attention module, its KV cache, the static q/k/v/out as this bucket's row views) between piece i and
+        # piece i + 1: everything the replay passes to attention, built once at capture
+        self.layers: list = []
 
 
 class PiecewiseRunner:
@@ -81,14 +83,15 @@ class PiecewiseRunner:
         """The ``split_attention`` hook: q/k/v into the static buffers, end the piece, begin the next one."""
         t = q.shape[0]
         sq, sk, sv, so = self._static_for(q, k, v, layer.num_heads * layer.head_dim)
-        sq[:t].copy_(q.reshape(t, -1))
-        sk[:t].copy_(k.reshape(t, -1))
-        sv[:t].copy_(v.reshape(t, -1))
+        views = (sq[:t], sk[:t], sv[:t], so[:t])
+        views[0].copy_(q.reshape(t, -1))
+        views[1].copy_(k.reshape(t, -1))
+        views[2].copy_(v.reshape(t, -1))
         cur = self._current
         cur.pieces.append(self._backend.end())
-        cur.layers.append((layer, (sq, sk, sv, so)))
+        cur.layers.append((layer, self.kv_caches[layer.layer_idx], views))
         self._backend.begin()
-        return so[:t]
+        return views[3]
 
     def _forward_pieces(self, b: int, backend) -> _BucketGraphs:
         """Run the model over bucket ``b``'s fixed views, cut at every attention, pieces made by ``backend``."""
@@ -166,8 +169,8 @@ class PiecewiseRunner:
             raise RuntimeError(f"step inputs are not laid out for token bucket {bucket} (build with pad_tokens={bucket})")
         g = self.graphs[bucket]
         meta = inp.meta
-        for piece, (layer, (sq, sk, sv, so)) in zip(g.pieces, g.layers):
+        for piece, (layer, cache, (q, k, v, o)) in zip(g.pieces, g.layers):
             piece.replay()
-            layer.attend(sq[:bucket], sk[:bucket], sv[:bucket], meta, self.kv_caches[layer.layer_idx], out=so[:bucket])
+            layer.attend(q, k, v, meta, cache, out=o)
         g.pieces[-1].replay()
         return self.hidden[:bucket]
