@@ -30,7 +30,12 @@ import torch
 PEAK_TFLOPS = {"h100": {"bf16": 989.0, "int8": 1979.0}, "h200": {"bf16": 989.0, "int8": 1979.0}}
 W8A8_KERNEL_ROWS = ("triton-gemv", "triton-w8a8", "int-mm+epilogue", "lqe-w8a8")
 FP8_KERNEL_ROWS = ("triton-gemv-fp8", "triton-fp8", "lqe-fp8/torch-scaled-mm")
-TABLE_NAMES = {"triton-gemv-fp8": "triton-gemv", "lqe-fp8/torch-scaled-mm": "scaled-mm"}
+# W4A16: one table per weight layout (a layer holds one): the wna16 layout's kernels, and lqe-w4a16-mma's own
+WNA16_KERNEL_ROWS = ("lqe-w4a16-fused", "triton-wna16", "triton-wna16-swap", "triton-dequant+cublas",
+                     "lqe-w4a16-dequant")
+WNA16_MMA_KERNEL_ROWS = ("lqe-w4a16-mma", "lqe-w4a16-mma-dequant+cublas")
+TABLE_NAMES = {"triton-gemv-fp8": "triton-gemv", "lqe-fp8/torch-scaled-mm": "scaled-mm",
+               "lqe-w4a16-fused": "lqe-wna16-fused", "lqe-w4a16-dequant": "dequant+cublas"}
 
 
 def peak(device_name: str, kind: str) -> float | None:
@@ -169,10 +174,12 @@ def add_fp8_rows(out: dict, k: int, n: int, rotating, cycler, producer: str | No
 
 def implied_tables(rows: list[dict]) -> dict[str, list]:
     """Per M, the fastest per-kernel row by geometric-mean speed-up over cuBLAS bf16 across the shapes timed, as
-    W8A8_TABLE / FP8_TABLE rows ``(max_m, kernel)`` (adjacent M with the same winner merged); printed by
-    benchmarks/kernels.py so a GPU run says which table its numbers imply."""
+    W8A8_TABLE / FP8_TABLE / WNA16_TABLE / WNA16_MMA_TABLE rows ``(max_m, kernel)`` (adjacent M with the same winner
+    merged); printed by benchmarks/kernels.py so a GPU run says which table its numbers imply. The two W4A16 tables
+    are one per weight layout; which layout wins per M is in the geo-means printed beside them."""
     out = {}
-    for label, names in (("W8A8_TABLE", W8A8_KERNEL_ROWS), ("FP8_TABLE", FP8_KERNEL_ROWS)):
+    for label, names in (("W8A8_TABLE", W8A8_KERNEL_ROWS), ("FP8_TABLE", FP8_KERNEL_ROWS),
+                         ("WNA16_TABLE", WNA16_KERNEL_ROWS), ("WNA16_MMA_TABLE", WNA16_MMA_KERNEL_ROWS)):
         by_m: dict[int, dict[str, list[float]]] = {}
         shapes = {r["shape"] for r in rows}
         for r in rows:
@@ -191,7 +198,7 @@ def implied_tables(rows: list[dict]) -> dict[str, list]:
                 table.append([m, name])
         if table:
             table[-1][0] = None
-        out[label] = [tuple(t) for t in table]
+            out[label] = [tuple(t) for t in table]
     return out
 
 

@@ -28,6 +28,27 @@ def test_implied_tables_take_the_geo_mean_winner_per_m_and_merge_runs():
     # M=64: int-mm 1.5 on both vs triton 1.4 and 1.694 -> geo-mean 1.54 wins for triton
     assert t["W8A8_TABLE"] == [(16, "triton-gemv"), (None, "triton-w8a8")]
     assert t["FP8_TABLE"] == [(None, "scaled-mm")]  # the GEMV was timed on one shape only
+    assert "WNA16_TABLE" not in t  # no W4A16 row timed: no table claimed
+
+
+def test_implied_w4a16_tables_are_one_per_weight_layout():
+    rows = []
+    for shape in ("a", "b"):
+        for m, speeds in ((1, {"lqe-w4a16-fused": 2.0, "triton-wna16-swap": 1.8, "lqe-w4a16-mma": 2.6}),
+                          (16, {"lqe-w4a16-fused": 0.8, "triton-wna16-swap": 1.7, "triton-wna16": 1.1,
+                                "lqe-w4a16-mma": 2.2, "lqe-w4a16-mma-dequant+cublas": 0.3}),
+                          (1024, {"triton-wna16-swap": 0.6, "lqe-w4a16-dequant": 0.8, "triton-dequant+cublas": 0.75,
+                                  "lqe-w4a16-mma": 0.5, "lqe-w4a16-mma-dequant+cublas": 0.79})):
+            rows += [{"kernel": k, "shape": shape, "m": m, "speedup_vs_cublas": v} for k, v in speeds.items()]
+    t = kw8.implied_tables(rows)
+    # the wna16 layout's rows under their dispatch names; the mma rows in a table of their own
+    assert t["WNA16_TABLE"] == [(1, "lqe-wna16-fused"), (16, "triton-wna16-swap"), (None, "dequant+cublas")]
+    assert t["WNA16_MMA_TABLE"] == [(16, "lqe-w4a16-mma"), (None, "lqe-w4a16-mma-dequant+cublas")]
+    from lqe.kernels import dispatch, gemm
+
+    for label in ("WNA16_TABLE", "WNA16_MMA_TABLE"):  # every name is one the dispatch code runs
+        assert all(name in gemm._COUNTERPART for _, name in t[label]), t[label]
+        assert getattr(dispatch, label)[-1][0] is None
 
 
 def test_floor_is_bytes_or_flops_whichever_is_larger():
