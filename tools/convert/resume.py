@@ -58,6 +58,11 @@ def resumable(checkpoint: "LayerCheckpoint") -> Iterator["LayerCheckpoint"]:
         _CHECKPOINT.reset(token)
 
 
+def _require_streamed(source: CalibModel) -> None:
+    if not source.streaming:
+        raise ConvertError("a resumable calibration streams the checkpoint (stream=True)")
+
+
 def _raw_write(f, t: torch.Tensor) -> None:
     f.write(memoryview(t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()))
 
@@ -116,8 +121,7 @@ class LayerCheckpoint:
 
     def save(self, source: CalibModel, next_layer: int, canon: dict[str, CanonicalWeight],
              runner: BlockRunner | None) -> None:
-        if not source.streaming:
-            raise ConvertError("a resumable calibration streams the checkpoint (stream=True)")
+        _require_streamed(source)
         t0 = time.monotonic()
         self.path.mkdir(parents=True, exist_ok=True)
         for i in range(next_layer):
@@ -160,8 +164,7 @@ class LayerCheckpoint:
 
     def restore(self, source: CalibModel, canon: dict[str, CanonicalWeight], runner: BlockRunner | None) -> int:
         """Load a saved state into ``source``, ``canon`` and ``runner``: the layer to start at (0: nothing saved)."""
-        if not source.streaming:
-            raise ConvertError("a resumable calibration streams the checkpoint (stream=True)")
+        _require_streamed(source)
         if not self.exists():
             return 0
         state = self.read_state()
@@ -216,18 +219,18 @@ class LayerCheckpoint:
         streams = runner.inputs + (runner.fp_inputs or [])
         return 1.0 + sum(t.numel() * t.element_size() for t in streams) / (self.save_gbs * 1e9)
 
-    def before_layer(self, source: CalibModel, i: int, start: int, canon: dict[str, CanonicalWeight],
+    def before_layer(self, source: CalibModel, i: int, canon: dict[str, CanonicalWeight],
                      runner: BlockRunner | None) -> None:
         """Before layer ``i`` (``i`` = the layer count: before the work after the layers): save and stop when the
         time left is too short for it."""
-        if self.deadline is None or i == start:
+        if self.deadline is None or i == self.start_layer:  # a call always makes progress
             return
         need = self.tail_s if i == len(source.layers) else 1.25 * max(source.layer_seconds, default=0.0)
         if time.monotonic() + need + self._save_seconds(runner) > self.deadline:
             self.save(source, i, canon, runner)
             raise CalibrationStopped(i, len(source.layers), str(self.path))
 
-    def after_layer(self, source: CalibModel, done: int, start: int, canon: dict[str, CanonicalWeight],
+    def after_layer(self, source: CalibModel, done: int, canon: dict[str, CanonicalWeight],
                     runner: BlockRunner | None) -> None:
-        if self.save_every and (done - start) % self.save_every == 0 and done < len(source.layers):
+        if self.save_every and (done - self.start_layer) % self.save_every == 0 and done < len(source.layers):
             self.save(source, done, canon, runner)

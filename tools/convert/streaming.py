@@ -142,7 +142,7 @@ class CalibModel:
         try:
             for i in bar:
                 if ckpt is not None:
-                    ckpt.before_layer(self, i, start, canon, runner)
+                    ckpt.before_layer(self, i, canon, runner)
                 t0 = time.perf_counter()
                 layer = self._load(i)
                 probe = LayerErrorProbe(runner) if runner is not None and runner.inputs else None
@@ -163,9 +163,9 @@ class CalibModel:
                     torch.cuda.synchronize(self.device)
                 self.layer_seconds.append(time.perf_counter() - t0)
                 if ckpt is not None:
-                    ckpt.after_layer(self, i + 1, start, canon, runner)
+                    ckpt.after_layer(self, i + 1, canon, runner)
             if ckpt is not None:  # what follows the layers (lm_head, the writer) must fit too
-                ckpt.before_layer(self, n, start, canon, runner)
+                ckpt.before_layer(self, n, canon, runner)
         finally:
             bar.close()
 
