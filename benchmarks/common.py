@@ -5,8 +5,11 @@ import os
 import platform
 import random
 import subprocess
+import sys
 
 import torch
+
+from lqe.kernels.device_info import cuda_fault
 
 
 def commit() -> str | None:
@@ -94,3 +97,48 @@ def write_random_checkpoint(config, model_cls, out_dir, seed: int, shard_bytes: 
     (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     tmp.rename(out_dir)
     return out_dir
+
+
+# ------------------------------------------------------------------------------------------------ device faults
+class DeviceFault(RuntimeError):
+    """A benchmark step left the process's CUDA context unusable (a kernel faulted on the device): every later CUDA
+    call fails with the same error, so the run saves what it measured and goes on in a fresh process (:func:`restart`)
+    instead of reporting every row after the culprit as failed. ``rows``: what the run keeps (set by the loop that
+    knows which of its rows the fault may have spoiled)."""
+
+    def __init__(self, what: str, error: str, **where):
+        super().__init__(f"the CUDA context was lost in {what}: {error}")
+        self.what, self.error, self.where, self.rows = what, error, where, None
+
+    def record(self) -> dict:
+        return {"what": self.what, "error": self.error, **self.where}
+
+
+def raise_if_context_lost(what: str, rows: list[dict] | None = None, **where) -> None:
+    """For a benchmark's ``except`` around one row: raise :class:`DeviceFault` when the failure lost the CUDA context
+    (:func:`lqe.kernels.device_info.cuda_fault`); a failure that left it usable (a config that does not fit, out of
+    memory) returns and the row is skipped as before. With ``rows`` (the run's rows so far), the fault keeps them
+    less those of the ``shape`` and ``m`` in ``where``: the pair being measured, which the fault may have spoiled."""
+    error = cuda_fault()
+    if error:
+        fault = DeviceFault(what, error, **where)
+        if rows is not None:
+            fault.rows = [r for r in rows if (r.get("shape"), r.get("m")) != (where.get("shape"), where.get("m"))]
+        raise fault
+
+
+MAX_RESTARTS = 4
+
+
+def restart(extra_argv: list[str]) -> bool:
+    """Replace this process by a fresh one running the same command with ``extra_argv`` appended (its pid, time
+    limit and output stay those of this one); False, without restarting, after :data:`MAX_RESTARTS` restarts of one
+    command (``LQE_FAULT_RESTARTS`` counts them)."""
+    n = int(os.environ.get("LQE_FAULT_RESTARTS", "0")) + 1
+    if n > MAX_RESTARTS:
+        return False
+    os.environ["LQE_FAULT_RESTARTS"] = str(n)
+    print(f"# going on in a fresh process (restart {n} of at most {MAX_RESTARTS})", flush=True)
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, sys.argv[0], *sys.argv[1:], *extra_argv])
+    return True  # not reached

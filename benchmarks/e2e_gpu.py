@@ -64,7 +64,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from common import commit, write_random_checkpoint  # noqa: E402
+from common import commit, cuda_fault, restart, write_random_checkpoint  # noqa: E402
 from workload import peaks_for, workload_256, workload_floor, workload_id  # noqa: E402
 
 SHAPES = {  # HF config fields of the real models; weights are random
@@ -477,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cudagraph-mode", choices=("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"), default=None,
                     help="the engine's cudagraph_mode (default: the engine's default); FULL_AND_PIECEWISE rows are stored "
                          "as variant '<variant>+piecewise'")
+    ap.add_argument("--done", default="", help=argparse.SUPPRESS)  # shape/variant pairs a run that lost its CUDA
+    # context had finished (or lost it in): the fresh process it goes on in leaves them out
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("e2e_gpu.py needs a CUDA GPU: none is visible (torch.cuda.is_available() is False). Nothing was run.")
@@ -501,12 +503,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{out_path} starts from {seeded} ({len(rows)} rows): rows not measured now are kept", flush=True)
     this_commit = commit()
     work = Path(args.work_dir)
+    done = [p for p in args.done.split(",") if p]
+    if not done:  # a new run: the faults an earlier one recorded are its own
+        extra.pop("device_faults", None)
+
+    def write():
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"),
+                                        "env": environment(), "rows": list(rows.values()), **extra}, indent=1))
+
     for shape in shapes:
+        if all(f"{shape}/{v}" in done for v in variants):
+            continue
         vocab = SHAPES[shape][1]["vocab_size"]
         t0 = time.perf_counter()
         base = build_random_model(shape, work / shape / "bf16", args.seed)
         print(f"[{shape}] random bf16 checkpoint at {base} ({time.perf_counter() - t0:.0f}s)", flush=True)
         for variant in variants:
+            if f"{shape}/{variant}" in done:
+                continue
             model_dir, why = base, ""
             online = (VARIANTS[variant] or "").startswith("online:")
             args.quantization = VARIANTS[variant].removeprefix("online:") if online else None
@@ -521,6 +536,16 @@ def main(argv: list[str] | None = None) -> int:
                     row = run_variant(model_dir, args, vocab, shape)
             except Exception as e:  # noqa: BLE001 -- one broken variant must not lose the others
                 print(f"[{shape}/{variant}] failed: {type(e).__name__}: {e}", flush=True)
+                done.append(f"{shape}/{variant}")
+                error = cuda_fault()
+                if error:  # a kernel lost the CUDA context: every later variant would fail in this process
+                    print(f"[{shape}/{variant}] the CUDA context was lost ({error})", flush=True)
+                    extra["device_faults"] = [*extra.get("device_faults", []), {
+                        "model_shape": shape, "variant": variant, "error": error, "commit": this_commit}]
+                    write()
+                    if restart(["--done", ",".join(done)]) is False:
+                        print("too many device faults: stopped", flush=True)
+                        return 4
                 continue
             label = (variant + ("+piecewise" if args.cudagraph_mode == "FULL_AND_PIECEWISE" else "")
                      + ("+async" if args.async_scheduling else ""))
@@ -528,12 +553,11 @@ def main(argv: list[str] | None = None) -> int:
                    "seed": args.seed, "seconds": round(time.perf_counter() - t0, 1), "commit": this_commit}
             rows[(shape, label)] = row
             kept.discard((shape, label))
+            done.append(f"{shape}/{variant}")
             print(f"[{shape}/{variant}] " + ", ".join(
                 f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
                 if k not in ("model_shape", "variant")), flush=True)
-            out_path.parent.mkdir(parents=True, exist_ok=True)
-            out_path.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"),
-                                            "env": environment(), "rows": list(rows.values()), **extra}, indent=1))
+            write()
     if kept:
         print("rows kept from before, not measured in this run: " + ", ".join(f"{s}/{v}" for s, v in sorted(kept)))
     print(f"wrote {out_path}")

@@ -21,9 +21,13 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DeviceFault, raise_if_context_lost, restart  # noqa: E402
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # K x N: qkv, o, gate_up, down
 # --rows groups: which rows each times (cublas-bf16, the baseline, always runs)
@@ -263,6 +267,7 @@ def wna16_sweep(shapes: list[str], ms: list[int], on_shape=None) -> list[dict]:
                     timed[f"triton-wna16:{cfg.label()}"] = bench((lambda c=cycler(p4), cfg=cfg: lambda: lk.wna16_gemm(
                         x, c(), out=o, path="triton-wna16", config=cfg))(), reps=30)
                 except Exception as e:  # noqa: BLE001 -- a config that does not compile / fit is skipped
+                    raise_if_context_lost(f"triton-wna16:{cfg.label()} {shape} M={m}")
                     print(f"# {shape} M={m} {cfg.label()}: {type(e).__name__}: {str(e)[:100]}")
             record_sweep(rows, by_m, f"wna16 sweep {shape} M={m}: cublas-bf16 {base:.2f} us, bytes floor "
                          f"{floor_us:.2f} us", shape, m, base, timed, top=4, floor_us=floor_us)
@@ -414,6 +419,7 @@ def w8a8_sweep(shapes: list[str], ms: list[int], copy_gbps: float, on_shape=None
                         q, s, c().t(), ws, out=o, config=cfg))(), reps=30)
                     cfgs[label] = cfg
                 except Exception as e:  # noqa: BLE001 -- a config that does not compile / fit is skipped
+                    raise_if_context_lost(f"{label} {shape} M={m}")
                     print(f"# {shape} M={m} {cfg}: {type(e).__name__}: {str(e)[:100]}")
             if m <= tg.MAX_M:  # the GEMV and its candidate configs
                 for cfg in tg.sweep_configs(m):
@@ -423,6 +429,7 @@ def w8a8_sweep(shapes: list[str], ms: list[int], copy_gbps: float, on_shape=None
                             q, s, c().t(), ws, out=o, config=cfg))(), reps=30)
                         cfgs[label] = cfg
                     except Exception as e:  # noqa: BLE001 -- a config that does not compile / fit is skipped
+                        raise_if_context_lost(f"{label} {shape} M={m}")
                         print(f"# {shape} M={m} gemv {cfg}: {type(e).__name__}: {str(e)[:100]}")
             if plans[0] is not None:  # what a layer runs today: W8A8_TABLE, then that kernel's current CONFIGS
                 timed["table"] = bench((lambda c=cycler(plans): lambda: w8a8.w8a8_apply(
@@ -479,6 +486,7 @@ def fp8_sweep(shapes: list[str], ms: list[int], copy_gbps: float, on_shape=None)
                                                          reps=30)
                         cfgs[f"{prefix}:{cfg}"] = cfg
                     except Exception as e:  # noqa: BLE001 -- a config that does not compile / fit is skipped
+                        raise_if_context_lost(f"{prefix}:{cfg} {shape} M={m}")
                         print(f"# {shape} M={m} {prefix} {cfg}: {type(e).__name__}: {str(e)[:100]}")
             sweep("triton-fp8", tf.sweep_configs(m), f8,
                   lambda t, cfg: tf.fp8_mm(xq, xs, t[0], t[1], out=o, config=cfg))
@@ -525,87 +533,34 @@ def print_geomeans(what: str, by_m: dict, num_shapes: int, top: int) -> None:
         print(f"#   M={m:5d}: " + ", ".join(f"{nm} {g:.2f}x" for g, nm in gm[:top]))
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--m", type=int, nargs="*", default=MS)
-    ap.add_argument("--shapes", nargs="*", default=[f"{k}x{n}" for k, n in SHAPES])
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels-<gpu>.json, or $OUT)")
-    ap.add_argument("--rows", default=None,
-                    help=f"comma-separated row groups to time ({', '.join(ROW_GROUPS)}; default all): e.g. w8a8,fp8 "
-                         "(cublas-bf16, the baseline, always runs)")
-    ap.add_argument("--w8a8-sweep", action="store_true",
-                    help="only time every triton-w8a8 / int8 GEMV config (and int-mm+epilogue, lqe-w8a8, the current "
-                         "table) per shape and M; print the CONFIGS / W8A8_TABLE they imply")
-    ap.add_argument("--fp8-sweep", action="store_true",
-                    help="only time every triton-fp8 (per-channel and block-scaled) / fp8 GEMV config (and "
-                         "torch._scaled_mm, the current tables) per shape and M; print the configs / FP8_TABLE they imply")
-    ap.add_argument("--wna16-sweep", action="store_true",
-                    help="only time every triton-wna16 config (and the CUDA GEMM, dequant+cuBLAS) per shape and M")
-    ap.add_argument("--w4a16", action="store_true",
-                    help="only the W4A16 rows (lqe-w4a16-mma, layer path, int4pack, triton, dequant+cuBLAS, cuBLAS "
-                         "bf16; benchmarks/kernels_w4a16.py) and the WNA16_MMA_TABLE they imply")
-    args = ap.parse_args(argv)
-    groups = parse_rows(args.rows)
-    if not torch.cuda.is_available():
-        print("benchmarks/kernels.py: no CUDA device (torch.cuda.is_available() is False); nothing to measure.")
-        return 2
-    gpu = torch.cuda.get_device_name()
-    copy_gbps = copy_bandwidth()
-    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-           "capability": ".".join(map(str, torch.cuda.get_device_capability())),
-           "sms": torch.cuda.get_device_properties(0).multi_processor_count}
-    print(f"# {gpu} | torch {env['torch']} cuda {env['cuda']} | d2d copy {copy_gbps:.0f} GB/s")
+def plain_rows(shapes: list[str], ms: list[int], groups: frozenset[str], rows: list[dict], done: set, skip: set,
+               copy_gbps: float, gpu: str, save) -> list[dict]:
+    """Every candidate row of ``groups`` per shape and M beside cuBLAS bf16, appended to ``rows`` and saved after each
+    shape; ``(shape, M)`` pairs in ``done`` and kernels in ``skip`` are left out (a run resumed after a device
+    fault). A kernel that loses the CUDA context raises :class:`common.DeviceFault` with the rows to keep."""
     import kernels_w8a8 as kw8
 
-    tag = "".join(c if c.isalnum() else "-" for c in gpu).strip("-").lower()
-    modes = "".join(f"-{name}" for name, on in (("w8a8-sweep", args.w8a8_sweep), ("fp8-sweep", args.fp8_sweep),
-                                                ("wna16-sweep", args.wna16_sweep), ("w4a16", args.w4a16)) if on)
-    path = Path(args.out) if args.out else (Path(os.environ["OUT"]) if os.environ.get("OUT") else
-                                            Path(__file__).parent / "results") / f"kernels{modes}-{tag}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    implied: dict = {}
-    kept = carried_rows(path, gpu) if groups != frozenset(ROW_GROUPS) else []
-
-    def save(rows: list[dict], tables: dict | None = None, complete: bool = False) -> None:
-        """Write what is measured so far (after every shape: a run cut by its time limit keeps its rows and the
-        tables they imply so far). A ``--rows`` run keeps the file's rows it did not measure again."""
-        implied.update(tables or {})
-        new = {(r["kernel"], r["shape"], r["m"]) for r in rows}
-        old = [r for r in kept if (r["kernel"], r["shape"], r["m"]) not in new]
-        path.write_text(json.dumps({"device": gpu, "env": env, "copy_gbps": round(copy_gbps, 1), "rows": old + rows,
-                                    "implied_tables": implied, "complete": complete}, indent=1))
-
-    rows = []
-    sweeping = args.w8a8_sweep or args.fp8_sweep or args.wna16_sweep or args.w4a16
-    if args.w8a8_sweep:
-        rows = w8a8_sweep(args.shapes, args.m, copy_gbps, on_shape=save)
-    if args.fp8_sweep:
-        rows += fp8_sweep(args.shapes, args.m, copy_gbps, on_shape=lambda part, tables: save(rows + part, tables))
-    if args.wna16_sweep:
-        rows += wna16_sweep(args.shapes, args.m, on_shape=lambda part: save(rows + part))
-    if args.w4a16:
-        from kernels_w4a16 import w4a16_sweep
-
-        rows += w4a16_sweep(args.shapes, args.m, copy_gbps, bench, rotating, cycler, kw8.floor_us, gpu,
-                            on_shape=lambda part: save(rows + part))
-    if sweeping:
-        args.shapes = []
     hdr = (f"{'kernel':26s} {'KxN':>11s} {'M':>5s} {'us':>9s} {'TFLOP/s':>8s} {'GB/s':>7s} {'%copy':>6s} {'vs cuBLAS':>9s}"
            f"  | model: producer+layer us (vs bf16), fused producer->int8 us (vs bf16)")
-    for i, shape in enumerate(args.shapes):
+    for i, shape in enumerate(shapes):
+        if all((shape, m) in done for m in ms):
+            continue
         k, n = map(int, shape.split("x"))
         producer = producer_of(k, n)
-        cands = candidates(k, n, groups)
+        cands = {name: c for name, c in candidates(k, n, groups).items() if name not in skip}
         print(f"# {shape}: model columns include "
               f"{producer or 'no producer (o_proj: the attention output; the layer quantizes it itself)'}")
         print(hdr)
-        for m in args.m:
+        for m in ms:
+            if (shape, m) in done:
+                continue
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             base = base_model = None
             for name, (setup, wbytes, *rest) in cands.items():
                 try:
                     us = bench(setup(x))
                 except Exception as e:  # noqa: BLE001
+                    raise_if_context_lost(f"{name} {shape} M={m}", rows, kernel=name, shape=shape, m=m)
                     print(f"# {name} {shape} M={m} failed: {type(e).__name__}: {str(e)[:160]}")
                     continue
                 extra = {}
@@ -613,6 +568,7 @@ def main(argv=None) -> int:
                     try:
                         extra[col] = round(bench(make(x)), 2)
                     except Exception as e:  # noqa: BLE001
+                        raise_if_context_lost(f"{name} {col} {shape} M={m}", rows, kernel=name, shape=shape, m=m)
                         print(f"# {name} {col} {shape} M={m} failed: {type(e).__name__}: {str(e)[:160]}")
                 if name == "cublas-bf16":
                     base, base_model = us, extra.get("model_us")
@@ -638,10 +594,110 @@ def main(argv=None) -> int:
         del cands
         torch.cuda.empty_cache()
         save(rows, kw8.print_implied_tables(rows, f" after {i + 1} shape(s)"))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--m", type=int, nargs="*", default=MS)
+    ap.add_argument("--shapes", nargs="*", default=[f"{k}x{n}" for k, n in SHAPES])
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels-<gpu>.json, or $OUT)")
+    ap.add_argument("--rows", default=None,
+                    help=f"comma-separated row groups to time ({', '.join(ROW_GROUPS)}; default all): e.g. w8a8,fp8 "
+                         "(cublas-bf16, the baseline, always runs)")
+    ap.add_argument("--w8a8-sweep", action="store_true",
+                    help="only time every triton-w8a8 / int8 GEMV config (and int-mm+epilogue, lqe-w8a8, the current "
+                         "table) per shape and M; print the CONFIGS / W8A8_TABLE they imply")
+    ap.add_argument("--fp8-sweep", action="store_true",
+                    help="only time every triton-fp8 (per-channel and block-scaled) / fp8 GEMV config (and "
+                         "torch._scaled_mm, the current tables) per shape and M; print the configs / FP8_TABLE they imply")
+    ap.add_argument("--wna16-sweep", action="store_true",
+                    help="only time every triton-wna16 config (and the CUDA GEMM, dequant+cuBLAS) per shape and M")
+    ap.add_argument("--w4a16", action="store_true",
+                    help="only the W4A16 rows (lqe-w4a16-mma, layer path, int4pack, triton, dequant+cuBLAS, cuBLAS "
+                         "bf16; benchmarks/kernels_w4a16.py) and the WNA16_MMA_TABLE they imply")
+    ap.add_argument("--resume", default=None, help=argparse.SUPPRESS)  # the state a run left when a fault lost its
+    # CUDA context (written by on_fault below; the run goes on from it in a fresh process)
+    args = ap.parse_args(argv)
+    groups = parse_rows(args.rows)
+    if not torch.cuda.is_available():
+        print("benchmarks/kernels.py: no CUDA device (torch.cuda.is_available() is False); nothing to measure.")
+        return 2
+    gpu = torch.cuda.get_device_name()
+    copy_gbps = copy_bandwidth()
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+           "capability": ".".join(map(str, torch.cuda.get_device_capability())),
+           "sms": torch.cuda.get_device_properties(0).multi_processor_count}
+    print(f"# {gpu} | torch {env['torch']} cuda {env['cuda']} | d2d copy {copy_gbps:.0f} GB/s")
+    import kernels_w8a8 as kw8
+
+    tag = "".join(c if c.isalnum() else "-" for c in gpu).strip("-").lower()
+    modes = "".join(f"-{name}" for name, on in (("w8a8-sweep", args.w8a8_sweep), ("fp8-sweep", args.fp8_sweep),
+                                                ("wna16-sweep", args.wna16_sweep), ("w4a16", args.w4a16)) if on)
+    path = Path(args.out) if args.out else (Path(os.environ["OUT"]) if os.environ.get("OUT") else
+                                            Path(__file__).parent / "results") / f"kernels{modes}-{tag}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    implied: dict = {}
+    kept = carried_rows(path, gpu) if groups != frozenset(ROW_GROUPS) else []
+    # After a device fault (a kernel that loses the CUDA context): this run's rows so far, the faults, the kernels
+    # left out from then on; the (shape, M) pairs with a cuBLAS row are done.
+    state = json.loads(Path(args.resume).read_text()) if args.resume else {"rows": [], "faults": [], "skip": []}
+    faults, skip = state["faults"], set(state["skip"])
+    done = {(r["shape"], r["m"]) for r in state["rows"] if r.get("kernel") == "cublas-bf16"}
+    if faults:
+        print(f"# resumed after {len(faults)} device fault(s), without {sorted(skip)}: {faults[-1]['what']}")
+
+    def save(rows: list[dict], tables: dict | None = None, complete: bool = False) -> None:
+        """Write what is measured so far (after every shape: a run cut by its time limit keeps its rows and the
+        tables they imply so far). A ``--rows`` run keeps the file's rows it did not measure again."""
+        implied.update(tables or {})
+        new = {(r["kernel"], r["shape"], r["m"]) for r in rows}
+        old = [r for r in kept if (r["kernel"], r["shape"], r["m"]) not in new]
+        path.write_text(json.dumps({"device": gpu, "env": env, "copy_gbps": round(copy_gbps, 1), "rows": old + rows,
+                                    "implied_tables": implied, "complete": complete,
+                                    **({"device_faults": faults} if faults else {})}, indent=1))
+
+    def on_fault(f: DeviceFault, rows: list[dict]) -> int:
+        """Save what the run measured (less what the fault may have spoiled), and go on in a fresh process without
+        the faulting kernel; exit status 4 when it cannot."""
+        print(f"# {f}", flush=True)
+        faults.append(f.record())
+        if f.rows is None:  # a config sweep: its rows are in the file as of its last shape; the fault goes beside
+            doc = json.loads(path.read_text()) if path.exists() else {"device": gpu, "env": env, "rows": []}
+            path.write_text(json.dumps({**doc, "device_faults": faults}, indent=1))
+            print(f"# stopped after the device fault; {path} has the rows of the shapes measured before it")
+            return 4
+        rows = f.rows
+        save(rows)
+        kernel = f.where.get("kernel")
+        if kernel and kernel != "cublas-bf16":
+            state_path = Path(tempfile.gettempdir()) / f"lqe-{path.stem}-{os.getpid()}.resume.json"
+            state_path.write_text(json.dumps({"rows": rows, "faults": faults, "skip": sorted(skip | {kernel})}))
+            restart(["--resume", str(state_path)])
+        print(f"# stopped after the device fault ({len(faults)} so far); {path} has the rows measured before it")
+        return 4
+
+    rows = list(state["rows"])
+    sweeping = args.w8a8_sweep or args.fp8_sweep or args.wna16_sweep or args.w4a16
+    try:
+        if args.w8a8_sweep:
+            rows = w8a8_sweep(args.shapes, args.m, copy_gbps, on_shape=save)
+        if args.fp8_sweep:
+            rows += fp8_sweep(args.shapes, args.m, copy_gbps, on_shape=lambda part, tables: save(rows + part, tables))
+        if args.wna16_sweep:
+            rows += wna16_sweep(args.shapes, args.m, on_shape=lambda part: save(rows + part))
+        if args.w4a16:
+            from kernels_w4a16 import w4a16_sweep
+
+            rows = w4a16_sweep(args.shapes, args.m, copy_gbps, bench, rotating, cycler, kw8.floor_us, gpu,
+                               on_shape=save, rows=rows, skip=skip, done=done)
+        if not sweeping:
+            rows = plain_rows(args.shapes, args.m, groups, rows, done, skip, copy_gbps, gpu, save)
+    except DeviceFault as f:
+        return on_fault(f, rows)
     save(rows, complete=True)
     print(f"# wrote {path}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

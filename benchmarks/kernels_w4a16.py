@@ -92,21 +92,35 @@ def implied_mma_table(by_m: dict[int, dict[str, list[float]]], num_shapes: int) 
 
 
 def w4a16_sweep(shapes: list[str], ms: list[int], copy_gbps: float, bench, rotating, cycler, floor_us,
-                gpu: str, on_shape=None) -> list[dict]:
-    rows: list[dict] = []
+                gpu: str, on_shape=None, rows: list[dict] | None = None, skip=frozenset(), done=frozenset()
+                ) -> list[dict]:
+    """The sweep's rows, appended to ``rows`` (a run resumed after a device fault passes the rows it kept, the
+    kernels it leaves out in ``skip`` and the ``(shape, M)`` pairs already measured in ``done``). A kernel that loses
+    the CUDA context raises :class:`common.DeviceFault` with the rows to keep (all but the faulted pair's)."""
+    from common import raise_if_context_lost
+
+    rows = [] if rows is None else rows
     by_m: dict[int, dict[str, list[float]]] = {}
+    for r in rows:  # resumed: the geo-means count the rows measured before the fault
+        if r.get("speedup_vs_cublas") and r.get("shape") in shapes:
+            by_m.setdefault(r["m"], {}).setdefault(r["kernel"], []).append(r["speedup_vs_cublas"])
     for shape in shapes:
+        if all((shape, m) in done for m in ms):
+            continue
         k, n = map(int, shape.split("x"))
-        cands = w4a16_candidates(k, n, rotating, cycler)
+        cands = {name: c for name, c in w4a16_candidates(k, n, rotating, cycler).items() if name not in skip}
         print(f"# W4A16 {shape}")
         print(f"{'kernel':30s} {'M':>5s} {'us':>9s} {'floor us':>9s} {'GB/s':>7s} {'vs cuBLAS':>9s}")
         for m in ms:
+            if (shape, m) in done:
+                continue
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             base = None
             for name, (setup, wbytes) in cands.items():
                 try:
                     us = bench(setup(x))
                 except Exception as e:  # noqa: BLE001
+                    raise_if_context_lost(f"{name} {shape} M={m}", rows, kernel=name, shape=shape, m=m)
                     print(f"# {name} {shape} M={m} failed: {type(e).__name__}: {str(e)[:160]}")
                     continue
                 if name == "cublas-bf16":

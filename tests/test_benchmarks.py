@@ -384,3 +384,56 @@ def test_e2e_gpu_quick_run_keeps_the_rows_it_does_not_measure(tmp_path, monkeypa
             assert r == old[key]  # kept whole: the llama3-8b row of the --quick run among them
     assert doc["env"]["lqe_commit"] == "feed123" and doc["notes"] == committed["notes"]
     assert "not measured in this run: llama3-8b/bf16" in capsys.readouterr().out
+
+
+def test_e2e_gpu_goes_on_after_a_device_fault(tmp_path, monkeypatch):
+    """A variant whose kernel loses the CUDA context: its failure and the fault are written, and the run goes on in
+    a fresh process (here: main called again with the --done list the restart passes) with the variants after it,
+    leaving out those finished."""
+    import json
+
+    import e2e_gpu
+
+    lost, ran, restarts = [], [], []
+    monkeypatch.setattr(e2e_gpu.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(e2e_gpu.torch.cuda, "get_device_name", lambda *a: "Stub GPU")
+    monkeypatch.setattr(e2e_gpu, "environment", lambda: {"gpu": "Stub GPU"})
+    monkeypatch.setattr(e2e_gpu, "build_random_model", lambda shape, out, seed: tmp_path / shape / "bf16")
+    monkeypatch.setattr(e2e_gpu, "quantize", lambda src, fmt, out: (out, ""))
+    monkeypatch.setattr(e2e_gpu, "cuda_fault", lambda: "AcceleratorError: CUDA error: an illegal memory access"
+                        if lost else None)
+
+    def restart(extra):  # the real one replaces the process (os.execv) and never returns
+        restarts.append(extra)
+        raise SystemExit("restarted")
+
+    monkeypatch.setattr(e2e_gpu, "restart", restart)
+
+    def run_variant(model_dir, args, vocab, shape):
+        variant = model_dir.name
+        ran.append(f"{shape}/{variant}")
+        if lost:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        if variant == "gptq" and shape == "smollm2-135m":
+            lost.append(1)
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return {"decode_bs1_tok_s": 1.0}
+
+    monkeypatch.setattr(e2e_gpu, "run_variant", run_variant)
+    argv = ["--shapes", "smollm2-135m,qwen2.5-0.5b", "--variants", "bf16,w4a16", "--out-dir", str(tmp_path),
+            "--work-dir", str(tmp_path / "work")]
+    with pytest.raises(SystemExit, match="restarted"):
+        e2e_gpu.main(argv)
+    out = tmp_path / "e2e-stub-gpu.json"
+    assert restarts == [["--done", "smollm2-135m/bf16,smollm2-135m/w4a16"]]
+    assert json.loads(out.read_text())["device_faults"][0]["variant"] == "w4a16"  # written before the restart
+    lost.clear()
+    ran.clear()
+    assert e2e_gpu.main(argv + restarts[0]) == 0
+    assert ran == ["qwen2.5-0.5b/bf16", "qwen2.5-0.5b/gptq"]  # the fresh process: only what was not done
+    # (a variant's checkpoint folder is named after its format: w4a16 is the gptq checkpoint)
+    doc = json.loads(out.read_text())
+    got = {(r["model_shape"], r["variant"]) for r in doc["rows"]}
+    assert {("smollm2-135m", "bf16"), ("qwen2.5-0.5b", "bf16"), ("qwen2.5-0.5b", "w4a16")} <= got
+    assert ("smollm2-135m", "w4a16") not in got
+    assert [(f["model_shape"], f["variant"]) for f in doc["device_faults"]][0] == ("smollm2-135m", "w4a16")

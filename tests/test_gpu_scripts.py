@@ -82,12 +82,24 @@ if [[ "$1" == -c ]]; then
   exit 0
 fi
 if [[ "$1 $2" == "-m pytest" ]]; then
-  if [[ "$*" == *--collect-only* ]]; then printf 'tests/gpu/test_stub.py::test_a\ntests/gpu/test_stub.py::test_b\n'; exit 0; fi
+  all=(); for t in ${LQE_STUB_TESTS:-test_a test_b}; do all+=("tests/gpu/test_stub.py::$t"); done
+  if [[ "$*" == *--collect-only* ]]; then printf '%s\n' "${all[@]}"; exit 0; fi
   [[ -n "${LQE_STUB_CUT:-}" && "$*" == *"$LQE_STUB_CUT"* ]] && exit 124  # a group killed before its XML
-  for a in "$@"; do
-    [[ "$a" == --junitxml=* ]] && echo '<testsuite><testcase classname="stub" name="t"/></testsuite>' > "${a#--junitxml=}"
+  ids=(); xml=/dev/null
+  for a in "$@"; do [[ "$a" == *::* ]] && ids+=("$a"); [[ "$a" == --junitxml=* ]] && xml=${a#--junitxml=}; done
+  (( ${#ids[@]} )) || ids=("${all[@]}")  # files given: they hold every stub test
+  cases=""; rc=0
+  for id in "${ids[@]}"; do  # tests/device_faults.py's records; LQE_STUB_FAULT's test loses the CUDA context
+    [[ -n "${LQE_TESTS_DONE_FILE:-}" ]] && printf 'start\t%s\nend\t%s\n' "$id" "$id" >> "$LQE_TESTS_DONE_FILE"
+    if [[ -n "${LQE_STUB_FAULT:-}" && "$id" == *"::$LQE_STUB_FAULT" ]]; then
+      cases+="<testcase classname=\"stub\" name=\"${id##*::}\"><failure/></testcase>"
+      printf '%s\tAcceleratorError: CUDA error: an illegal memory access was encountered\n' "$id" >> "$LQE_CUDA_FAULT_FILE"
+      rc=2; break
+    fi
+    cases+="<testcase classname=\"stub\" name=\"${id##*::}\"/>"
   done
-  echo "1 passed"; exit 0
+  echo "<testsuite>$cases</testsuite>" > "$xml"
+  echo "${#ids[@]} run"; exit $rc
 fi
 exit 0
 """
@@ -202,3 +214,34 @@ def test_run_gpu_in_two_calls_keeps_the_first_calls_results(tmp_path):
     both = json.loads((out / "gpu-stub-gpu.json").read_text())
     assert both["tests"] == first["tests"]
     assert all(v == "ok" for v in both["stages"].values()), both["stages"]
+
+
+def test_run_gpu_goes_on_after_a_device_fault(tmp_path):
+    """A test that loses the CUDA context (tests/device_faults.py stops its pytest and names it) costs that test:
+    its group goes on with the tests it did not reach in a fresh process, and the summary names the fault."""
+    import json
+
+    proc, calls, out = _dry_run(tmp_path, [], LQE_SKIP="kernels e2e calib", LQE_TEST_JOBS="1",
+                                LQE_STUB_TESTS="test_a test_b test_c", LQE_STUB_FAULT="test_a")
+    assert proc.returncode != 0  # a fault is a failure
+    summary = json.loads((out / "gpu-stub-gpu.json").read_text())
+    assert summary["tests"]["passed"] == 2 and summary["tests"]["failed"] == 1, summary["tests"]
+    assert summary["tests"]["not_run"] == 0
+    assert [f.split("\t")[0] for f in summary["tests"]["device_faults"]] == ["tests/gpu/test_stub.py::test_a"]
+    runs = [c for c in calls if c.startswith("-m pytest") and "--collect-only" not in c]
+    assert len(runs) == 2 and "test_a" not in runs[1] and "test_b" in runs[1] and "test_c" in runs[1], runs
+    assert (out / "logs" / "gpu-tests-0.r1.xml").is_file()
+    assert "CUDA CONTEXT LOST" in proc.stdout
+
+
+def test_stage_tests_go_on_after_a_device_fault(tmp_path):
+    """run_tests in a focused stage (test files as arguments): after a fault the tests not reached are collected
+    again and run in a fresh process, less every test already started."""
+    proc, calls, out = _dry_run(tmp_path, ["--w4a16"], LQE_SKIP="sweep e2e",
+                                LQE_STUB_TESTS="test_a test_b test_c", LQE_STUB_FAULT="test_b")
+    runs = [c for c in calls if c.startswith("-m pytest") and "--collect-only" not in c]
+    assert len(runs) == 2, runs
+    assert "test_gemm_w4a16_mma.py" in runs[0]
+    assert "::test_c" in runs[1] and "::test_a" not in runs[1] and "::test_b" not in runs[1], runs[1]
+    assert "device faults" in proc.stdout and "test_stub.py::test_b" in proc.stdout
+    assert '"tests": 1' in (out / "w4a16-stage-stub-gpu.json").read_text()  # the rest passed; the fault fails it

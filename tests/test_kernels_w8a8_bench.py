@@ -242,3 +242,71 @@ def test_a_rows_run_keeps_the_other_rows_of_the_file(tmp_path):
     assert all(r["carried_over"] == "abc1234" for r in kept)
     assert kernels.carried_rows(path, "GPU B") == []
     assert kernels.carried_rows(tmp_path / "missing.json", "GPU A") == []
+
+
+def test_kernels_py_goes_on_after_a_device_fault(tmp_path, monkeypatch):
+    """A kernel that loses the CUDA context in benchmarks/kernels.py: the run saves its rows less the faulted
+    (shape, M), and a fresh process (here: main called again with the --resume state the restart would pass) goes on
+    from there without that kernel, so the rows after it are measured and the fault is in the JSON."""
+    import json
+
+    import common
+    import kernels
+
+    lost = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Stub GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"multi_processor_count": 132}))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    real_randn = torch.randn
+    monkeypatch.setattr(torch, "randn", lambda *a, device=None, **k: real_randn(*a, **k))
+    monkeypatch.setattr(kernels, "copy_bandwidth", lambda: 3000.0)
+    monkeypatch.setattr(kernels, "bench", lambda fn, reps=100: fn())
+    monkeypatch.setattr(common, "cuda_fault", lambda: "AcceleratorError: CUDA error: an illegal memory access" if lost
+                        else None)
+
+    def fake_candidates(k, n, groups):
+        def timed(us):
+            return lambda x: lambda: us
+
+        def faulting(x):
+            def run():
+                if x.shape[0] == 16 and k == 4096 and n == 4096:  # the second shape at M = 16 faults
+                    lost.append(1)
+                    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+                return 5.0
+            return run
+        return {"cublas-bf16": (timed(10.0), k * n * 2), "lqe-w4a16-mma": (faulting, k * n // 2),
+                "triton-wna16": (timed(8.0), k * n // 2)}
+
+    monkeypatch.setattr(kernels, "candidates", fake_candidates)
+    restarts = []
+
+    def restart(extra):  # the real one replaces the process (os.execv) and never returns
+        restarts.append(extra)
+        raise SystemExit("restarted")
+
+    monkeypatch.setattr(kernels, "restart", restart)
+    out = tmp_path / "kernels-stub.json"
+    argv = ["--m", "1", "16", "--shapes", "4096x6144", "4096x4096", "4096x28672", "--out", str(out)]
+    with pytest.raises(SystemExit, match="restarted"):
+        kernels.main(argv)
+    assert restarts and restarts[0][0] == "--resume"
+    doc = json.loads(out.read_text())
+    got = {(r["kernel"], r["shape"], r["m"]) for r in doc["rows"]}
+    assert ("lqe-w4a16-mma", "4096x6144", 16) in got and ("cublas-bf16", "4096x4096", 1) in got
+    assert not any(s == "4096x4096" and m == 16 for _, s, m in got)  # the faulted pair is measured again
+    assert doc["device_faults"][0]["kernel"] == "lqe-w4a16-mma" and not doc["complete"]
+
+    lost.clear()  # the fresh process has a usable context
+    assert kernels.main(argv + restarts[0]) == 0
+    doc = json.loads(out.read_text())
+    rows = {(r["kernel"], r["shape"], r["m"]): r for r in doc["rows"]}
+    assert doc["complete"] and doc["device_faults"][0]["shape"] == "4096x4096"
+    for shape in ("4096x6144", "4096x4096", "4096x28672"):
+        for m in (1, 16):
+            assert rows[("cublas-bf16", shape, m)]["us"] == 10.0 and ("triton-wna16", shape, m) in rows
+    assert ("lqe-w4a16-mma", "4096x28672", 1) not in rows  # left out after its fault
+    assert ("lqe-w4a16-mma", "4096x4096", 1) in rows  # measured before it
+    assert len(doc["rows"]) == len(rows)  # nothing measured twice

@@ -11,3 +11,48 @@ skip() {
   if (( T_END - $(date +%s) < 30 )); then echo "-- $1: skipped (time budget LQE_BUDGET_S)"; return 0; fi
   return 1
 }
+# gpu_pytest NAME WANT ARGS...: `python -m pytest -m gpu ARGS`, cut at WANT seconds or what is left of the budget
+# (SIGINT first: pytest still writes its JUnit XML), output in $LOGDIR/NAME.txt, JUnit XML in $LOGDIR/NAME.xml.
+# A kernel that faults on the device loses the process's CUDA context and would fail every test after it:
+# tests/device_faults.py then stops pytest after the culprit and names it in $LOGDIR/NAME.fault, and the tests not
+# reached go on in a fresh process (JUnit XML $LOGDIR/NAME.r1.xml, ...) while the time lasts; a process that crashes
+# (killed by a signal) is named there too and handled the same way. Returns pytest's status, at least 1 after a fault.
+gpu_pytest() {
+  local name=$1 want=$2; shift 2
+  local base="$LOGDIR/$name" args=("$@") all=("$@") try=0 rc faults=0 t_stop left culprit
+  rm -f "$base".xml "$base".r*.xml "$base".done "$base".fault
+  : > "$base.txt"
+  t_stop=$(( $(date +%s) + $(budget "$want") ))
+  while :; do
+    left=$(( t_stop - $(date +%s) ))
+    LQE_TESTS_DONE_FILE="$base.done" LQE_CUDA_FAULT_FILE="$base.fault" \
+      timeout -s INT -k 20 "$(budget "$(( left > 1 ? left : 1 ))")" python -m pytest -m gpu -q -p no:cacheprovider \
+      --junitxml="$base$( (( try )) && echo ".r$try").xml" "${args[@]}" >> "$base.txt" 2>&1
+    rc=$?
+    if (( rc > 128 && rc != 137 )); then  # killed by a signal of its own (not the timeout's): a crash
+      culprit=$(awk -F'\t' '$1 == "start" {s[$2] = 1} $1 == "end" {delete s[$2]} END {for (t in s) print t}' \
+        "$base.done" 2>/dev/null | head -1)
+      printf '%s\tthe pytest process died (exit %s) in this test; its JUnit XML was not written\n' \
+        "${culprit:-?}" "$rc" >> "$base.fault"
+    fi
+    local now_faults; now_faults=$( [[ -f "$base.fault" ]] && wc -l < "$base.fault" || echo 0 )
+    (( now_faults > faults )) || break
+    faults=$now_faults
+    echo "-- $name: $(tail -1 "$base.fault")" >> "$base.txt"
+    # the tests not reached: the arguments (when they are test ids) or what they collect, less every test started
+    if printf '%s\n' "${all[@]}" | grep -qv '::'; then
+      mapfile -t args < <(python -m pytest -m gpu --collect-only -q -p no:cacheprovider "${all[@]}" 2>/dev/null | grep '::')
+    else
+      args=("${all[@]}")
+    fi
+    mapfile -t args < <(printf '%s\n' "${args[@]}" | grep -vxFf <(awk -F'\t' '$1 == "start" {print $2}' "$base.done" 2>/dev/null) | awk NF)
+    (( ${#args[@]} > 0 )) || break
+    if (( t_stop - $(date +%s) < 30 )); then
+      echo "-- $name: ${#args[@]} tests not run after the fault (time budget)" >> "$base.txt"; break
+    fi
+    try=$(( try + 1 ))
+    echo "-- $name: going on in a fresh process with the ${#args[@]} tests not reached" >> "$base.txt"
+  done
+  (( faults > 0 && rc == 0 )) && rc=1
+  return $rc
+}

@@ -26,11 +26,11 @@ timeout "$(budget "${LQE_BUILD_TIMEOUT:-300}")" python -c "import logging,sys;lo
 BUILD_RC=${PIPESTATUS[0]}
 echo "build: exit $BUILD_RC in $(( $(date +%s) - t0 )) s"
 
-run_tests() {  # run_tests NAME pytest-args...: gpu-marked tests, summary line, JUnit XML in $LOGDIR/NAME.xml
-  local name=$1; shift
-  timeout -s INT -k 20 "$(budget "${LQE_TEST_TIMEOUT:-300}")" python -m pytest -m gpu -q -p no:cacheprovider --junitxml="$LOGDIR/$name.xml" "$@" \
-    > "$LOGDIR/$name.txt" 2>&1
+run_tests() {  # run_tests NAME pytest-args...: gpu-marked tests (budget.sh's gpu_pytest: a device fault costs only its
+  local name=$1; shift  # test), summary line, JUnit XML in $LOGDIR/NAME.xml (and NAME.r1.xml, ... after a fault)
+  gpu_pytest "$name" "${LQE_TEST_TIMEOUT:-300}" "$@"
   local rc=$?
   echo "-- tests $name: exit $rc"; tail -25 "$LOGDIR/$name.txt"
+  [[ -f "$LOGDIR/$name.fault" ]] && { echo "-- device faults (test, error):"; cat "$LOGDIR/$name.fault"; }
   return $rc
 }
