@@ -7,7 +7,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 from device_faults import (  # noqa: E402,F401 -- pytest hooks
-    pytest_runtest_logreport, pytest_runtest_logstart, pytest_runtest_makereport)
+    pytest_runtest_logreport, pytest_runtest_logstart, pytest_runtest_makereport, pytest_runtest_protocol)
 from helpers import build_tiny_model  # noqa: E402
 from triton_compat import patch as _patch_triton_interpreter  # noqa: E402
 

@@ -17,7 +17,8 @@ ROOT = TESTS.parent
 CONFTEST = f"""
 import sys
 sys.path.insert(0, {str(TESTS)!r})
-from device_faults import pytest_runtest_logreport, pytest_runtest_logstart, pytest_runtest_makereport  # noqa
+from device_faults import (  # noqa
+    pytest_runtest_logreport, pytest_runtest_logstart, pytest_runtest_makereport, pytest_runtest_protocol)
 """
 
 TESTS_FILE = """
@@ -44,18 +45,20 @@ def test_two():
 
 @GPU
 def test_three():
-    pass
+    if os.environ.get("STUB_HANG"):
+        import time
+        time.sleep(60)  # a kernel that never returns
 """
 
 
-def _run(tmp_path: Path, lost: bool, *args: str) -> tuple[subprocess.CompletedProcess, Path]:
+def _run(tmp_path: Path, lost: bool, *args: str, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
     (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "test_fake_gpu.py").write_text(TESTS_FILE.replace("@GPU", "@pytest.mark." + "gpu"))  # (spelled so
     # that tests/test_layering.py does not take this file for a GPU test outside tests/gpu)
     for name in ("done", "fault"):
         (tmp_path / name).unlink(missing_ok=True)
     env = {**os.environ, "LQE_TESTS_DONE_FILE": str(tmp_path / "done"), "LQE_CUDA_FAULT_FILE": str(tmp_path / "fault"),
-           "PYTHONPATH": str(ROOT), "STUB_LOST": "1" if lost else ""}
+           "PYTHONPATH": str(ROOT), "STUB_LOST": "1" if lost else "", **env}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
                            f"--junitxml={tmp_path / 'out.xml'}", *args, str(tmp_path / "test_fake_gpu.py")],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
@@ -70,8 +73,9 @@ def test_a_lost_context_stops_the_run_after_its_test(tmp_path):
     assert [line.split("\t") for line in fault] == [
         ["test_fake_gpu.py::test_two", "AcceleratorError: CUDA error: an illegal memory access was encountered"]]
     done = [line.split("\t") for line in (d / "done").read_text().splitlines()]
-    assert done == [[w, f"test_fake_gpu.py::{t}"] for t in ("test_cpu_failure_is_not_probed", "test_one", "test_two")
-                    for w in ("start", "end")]
+    assert done == [r for t, outcome in (("test_cpu_failure_is_not_probed", "failed"), ("test_one", "passed"),
+                                         ("test_two", "failed"))
+                    for r in (["start", f"test_fake_gpu.py::{t}"], ["end", f"test_fake_gpu.py::{t}", outcome])]
     cases = {c.get("name"): c for c in ET.parse(d / "out.xml").getroot().iter("testcase")}
     assert set(cases) == {"test_cpu_failure_is_not_probed", "test_one", "test_two"}  # the XML is written
     assert cases["test_two"].find("failure") is not None
@@ -82,6 +86,17 @@ def test_a_usable_context_runs_everything(tmp_path):
     assert proc.returncode == 1 and "2 failed, 2 passed" in proc.stdout, proc.stdout
     assert not (d / "fault").exists()
     assert sum(line.startswith("end\t") for line in (d / "done").read_text().splitlines()) == 4
+
+
+def test_a_hung_test_ends_the_process_past_the_hang_limit(tmp_path):
+    """LQE_TEST_HANG_S: a test that runs longer ends the process (tracebacks on stderr); its start record has no
+    end, which is how the runner (budget.sh gpu_pytest) names it."""
+    proc, d = _run(tmp_path, lost=False, STUB_HANG="1", LQE_TEST_HANG_S="2")
+    assert proc.returncode not in (0, 2), proc.stdout
+    assert "Timeout (0:00:02)!" in proc.stderr and "in test_three" in proc.stderr, proc.stderr[-2000:]
+    done = [line.split("\t")[:2] for line in (d / "done").read_text().splitlines()]
+    assert done[-1] == ["start", "test_fake_gpu.py::test_three"]
+    assert ["end", "test_fake_gpu.py::test_two"] in done
 
 
 def test_cuda_fault_without_cuda_is_none():

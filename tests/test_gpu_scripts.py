@@ -89,8 +89,11 @@ if [[ "$1 $2" == "-m pytest" ]]; then
   for a in "$@"; do [[ "$a" == *::* ]] && ids+=("$a"); [[ "$a" == --junitxml=* ]] && xml=${a#--junitxml=}; done
   (( ${#ids[@]} )) || ids=("${all[@]}")  # files given: they hold every stub test
   cases=""; rc=0
-  for id in "${ids[@]}"; do  # tests/device_faults.py's records; LQE_STUB_FAULT's test loses the CUDA context
-    [[ -n "${LQE_TESTS_DONE_FILE:-}" ]] && printf 'start\t%s\nend\t%s\n' "$id" "$id" >> "$LQE_TESTS_DONE_FILE"
+  for id in "${ids[@]}"; do  # tests/device_faults.py's records; LQE_STUB_FAULT's test loses the CUDA context,
+    # LQE_STUB_CRASH's ends the process inside it (no end record, no XML: a crash, or the hang watchdog)
+    [[ -n "${LQE_TESTS_DONE_FILE:-}" ]] && printf 'start\t%s\n' "$id" >> "$LQE_TESTS_DONE_FILE"
+    [[ -n "${LQE_STUB_CRASH:-}" && "$id" == *"::$LQE_STUB_CRASH" ]] && exit 1
+    [[ -n "${LQE_TESTS_DONE_FILE:-}" ]] && printf 'end\t%s\tpassed\n' "$id" >> "$LQE_TESTS_DONE_FILE"
     if [[ -n "${LQE_STUB_FAULT:-}" && "$id" == *"::$LQE_STUB_FAULT" ]]; then
       cases+="<testcase classname=\"stub\" name=\"${id##*::}\"><failure/></testcase>"
       printf '%s\tAcceleratorError: CUDA error: an illegal memory access was encountered\n' "$id" >> "$LQE_CUDA_FAULT_FILE"
@@ -245,3 +248,22 @@ def test_stage_tests_go_on_after_a_device_fault(tmp_path):
     assert "::test_c" in runs[1] and "::test_a" not in runs[1] and "::test_b" not in runs[1], runs[1]
     assert "device faults" in proc.stdout and "test_stub.py::test_b" in proc.stdout
     assert '"tests": 1' in (out / "w4a16-stage-stub-gpu.json").read_text()  # the rest passed; the fault fails it
+
+
+def test_run_gpu_goes_on_after_a_process_ends_inside_a_test(tmp_path):
+    """A pytest process that ends inside a test (a crash, or LQE_TEST_HANG_S: a hung kernel) writes no JUnit XML:
+    the runner names the test, writes the XML from the process's records (what it ran, the culprit failed) and goes
+    on with the tests not reached."""
+    import json
+
+    proc, calls, out = _dry_run(tmp_path, [], LQE_SKIP="kernels e2e calib", LQE_TEST_JOBS="1",
+                                LQE_STUB_TESTS="test_a test_b test_c", LQE_STUB_CRASH="test_b")
+    assert proc.returncode != 0
+    summary = json.loads((out / "gpu-stub-gpu.json").read_text())
+    assert summary["tests"]["passed"] == 2 and summary["tests"]["failed"] == 1, summary["tests"]
+    assert summary["tests"]["not_run"] == 0
+    assert summary["tests"]["failed_ids"] == ["tests/gpu/test_stub.py::test_b"]
+    fault = summary["tests"]["device_faults"]
+    assert len(fault) == 1 and fault[0].startswith("tests/gpu/test_stub.py::test_b\tthe pytest process ended"), fault
+    runs = [c for c in calls if c.startswith("-m pytest") and "--collect-only" not in c]
+    assert len(runs) == 2 and "::test_c" in runs[1] and "::test_b" not in runs[1] and "::test_a" not in runs[1]

@@ -15,25 +15,42 @@ skip() {
 # (SIGINT first: pytest still writes its JUnit XML), output in $LOGDIR/NAME.txt, JUnit XML in $LOGDIR/NAME.xml.
 # A kernel that faults on the device loses the process's CUDA context and would fail every test after it:
 # tests/device_faults.py then stops pytest after the culprit and names it in $LOGDIR/NAME.fault, and the tests not
-# reached go on in a fresh process (JUnit XML $LOGDIR/NAME.r1.xml, ...) while the time lasts; a process that crashes
-# (killed by a signal) is named there too and handled the same way. Returns pytest's status, at least 1 after a fault.
+# reached go on in a fresh process (JUnit XML $LOGDIR/NAME.r1.xml, ...) while the time lasts. A process that ends
+# inside a test (a crash, or a test past LQE_TEST_HANG_S seconds, default 120: a hung kernel) is named there too and
+# handled the same way. Returns pytest's status, at least 1 after a fault.
 gpu_pytest() {
   local name=$1 want=$2; shift 2
-  local base="$LOGDIR/$name" args=("$@") all=("$@") try=0 rc faults=0 t_stop left culprit
+  local base="$LOGDIR/$name" args=("$@") all=("$@") try=0 rc faults=0 t_stop left culprit xml first
   rm -f "$base".xml "$base".r*.xml "$base".done "$base".fault
   : > "$base.txt"
   t_stop=$(( $(date +%s) + $(budget "$want") ))
   while :; do
-    left=$(( t_stop - $(date +%s) ))
-    LQE_TESTS_DONE_FILE="$base.done" LQE_CUDA_FAULT_FILE="$base.fault" \
+    left=$(( t_stop - $(date +%s) )) xml="$base$( (( try )) && echo ".r$try").xml"
+    first=$( [[ -f "$base.done" ]] && wc -l < "$base.done" || echo 0 )  # this attempt's records start after it
+    LQE_TESTS_DONE_FILE="$base.done" LQE_CUDA_FAULT_FILE="$base.fault" LQE_TEST_HANG_S="${LQE_TEST_HANG_S:-120}" \
       timeout -s INT -k 20 "$(budget "$(( left > 1 ? left : 1 ))")" python -m pytest -m gpu -q -p no:cacheprovider \
-      --junitxml="$base$( (( try )) && echo ".r$try").xml" "${args[@]}" >> "$base.txt" 2>&1
+      --junitxml="$xml" "${args[@]}" >> "$base.txt" 2>&1
     rc=$?
-    if (( rc > 128 && rc != 137 )); then  # killed by a signal of its own (not the timeout's): a crash
-      culprit=$(awk -F'\t' '$1 == "start" {s[$2] = 1} $1 == "end" {delete s[$2]} END {for (t in s) print t}' \
-        "$base.done" 2>/dev/null | head -1)
-      printf '%s\tthe pytest process died (exit %s) in this test; its JUnit XML was not written\n' \
-        "${culprit:-?}" "$rc" >> "$base.fault"
+    # a test started and never ended, and not the time limit's doing (124; 137 after -k): the process died in it
+    culprit=$(awk -F'\t' '$1 == "start" {s[$2] = 1} $1 == "end" {delete s[$2]} END {for (t in s) print t}' \
+      "$base.done" 2>/dev/null | grep -vxFf <(cut -f1 "$base.fault" 2>/dev/null) | head -1)
+    if [[ -n "$culprit" && $rc -ne 124 && $rc -ne 137 ]]; then
+      printf '%s\tthe pytest process ended in this test (exit %s: a crash, or over LQE_TEST_HANG_S seconds: see %s);' \
+        "$culprit" "$rc" "$base.txt" >> "$base.fault"
+      printf ' its JUnit XML was not written\n' >> "$base.fault"
+      # the XML it did not write, from its records: the tests it ran, and the culprit failed
+      [[ -f "$xml" ]] || python - "$base.done" "$first" "$culprit" "$xml" <<'PY'
+import sys
+from xml.sax.saxutils import quoteattr
+done, first, culprit, xml = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+ended = [line.rstrip("\n").split("\t") for line in open(done).readlines()[first:] if line.startswith("end\t")]
+cases = []
+for nodeid, outcome in [(f[1], f[2] if len(f) > 2 else "passed") for f in ended] + [(culprit, "failed")]:
+    cls, _, name = nodeid.rpartition("::")
+    body = {"failed": "<failure message='see the fault file'/>", "skipped": "<skipped/>"}.get(outcome, "")
+    cases.append(f"<testcase classname={quoteattr(cls)} name={quoteattr(name)}>{body}</testcase>")
+open(xml, "w").write("<testsuite>" + "".join(cases) + "</testsuite>\n")
+PY
     fi
     local now_faults; now_faults=$( [[ -f "$base.fault" ]] && wc -l < "$base.fault" || echo 0 )
     (( now_faults > faults )) || break
