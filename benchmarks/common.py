@@ -1,11 +1,13 @@
 """Shared helpers for the benchmarks: environment record and random prompts."""
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import random
 import subprocess
 import sys
+import threading
 
 import torch
 
@@ -113,6 +115,13 @@ class DeviceFault(RuntimeError):
     def record(self) -> dict:
         return {"what": self.what, "error": self.error, **self.where}
 
+    def keep(self, rows: list[dict]) -> DeviceFault:
+        """The rows to keep: ``rows`` less those of the ``shape`` and ``m`` being measured, which the fault may have
+        spoiled."""
+        pair = (self.where.get("shape"), self.where.get("m"))
+        self.rows = [r for r in rows if (r.get("shape"), r.get("m")) != pair]
+        return self
+
 
 def raise_if_context_lost(what: str, rows: list[dict] | None = None, **where) -> None:
     """For a benchmark's ``except`` around one row: raise :class:`DeviceFault` when the failure lost the CUDA context
@@ -122,9 +131,35 @@ def raise_if_context_lost(what: str, rows: list[dict] | None = None, **where) ->
     error = cuda_fault()
     if error:
         fault = DeviceFault(what, error, **where)
-        if rows is not None:
-            fault.rows = [r for r in rows if (r.get("shape"), r.get("m")) != (where.get("shape"), where.get("m"))]
-        raise fault
+        raise fault if rows is None else fault.keep(rows)
+
+
+HANG_S = float(os.environ.get("LQE_BENCH_HANG_S") or 90)
+
+
+@contextlib.contextmanager
+def hang_guard(on_fault, what: str, rows: list[dict], seconds: float | None = None, **where):
+    """Run the body; when it has not returned after ``seconds`` (a kernel that never returns, e.g. a spin-wait on a
+    block that is not resident: every later call would queue behind it), a watchdog thread hands ``on_fault`` a
+    :class:`DeviceFault` keeping ``rows`` less the pair being measured. ``on_fault`` saves and restarts the process
+    (``os.execv`` replaces every thread, the stuck one too); if it returns, the process ends with status 4. The main
+    thread waits on the GPU with the GIL released (torch's synchronize), so the watchdog runs."""
+    seconds = HANG_S if seconds is None else seconds
+
+    def fire():
+        try:
+            on_fault(DeviceFault(what, f"no return after {seconds:.0f} s (a hung kernel?)", **where).keep(rows))
+        finally:
+            sys.stdout.flush()
+            os._exit(4)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 MAX_RESTARTS = 4

@@ -15,6 +15,7 @@ W8A8 / FP8 tables it implies after every shape (and saves them in the JSON).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DeviceFault, raise_if_context_lost, restart  # noqa: E402
+from common import DeviceFault, hang_guard, raise_if_context_lost, restart  # noqa: E402
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # K x N: qkv, o, gate_up, down
 # --rows groups: which rows each times (cublas-bf16, the baseline, always runs)
@@ -534,10 +535,11 @@ def print_geomeans(what: str, by_m: dict, num_shapes: int, top: int) -> None:
 
 
 def plain_rows(shapes: list[str], ms: list[int], groups: frozenset[str], rows: list[dict], done: set, skip: set,
-               copy_gbps: float, gpu: str, save) -> list[dict]:
+               copy_gbps: float, gpu: str, save, on_fault=None) -> list[dict]:
     """Every candidate row of ``groups`` per shape and M beside cuBLAS bf16, appended to ``rows`` and saved after each
     shape; ``(shape, M)`` pairs in ``done`` and kernels in ``skip`` are left out (a run resumed after a device
-    fault). A kernel that loses the CUDA context raises :class:`common.DeviceFault` with the rows to keep."""
+    fault). A kernel that loses the CUDA context raises :class:`common.DeviceFault` with the rows to keep; one that
+    does not return hands that fault to ``on_fault`` from a watchdog (:func:`common.hang_guard`)."""
     import kernels_w8a8 as kw8
 
     hdr = (f"{'kernel':26s} {'KxN':>11s} {'M':>5s} {'us':>9s} {'TFLOP/s':>8s} {'GB/s':>7s} {'%copy':>6s} {'vs cuBLAS':>9s}"
@@ -557,16 +559,22 @@ def plain_rows(shapes: list[str], ms: list[int], groups: frozenset[str], rows: l
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             base = base_model = None
             for name, (setup, wbytes, *rest) in cands.items():
+                guard = (hang_guard(on_fault, f"{name} {shape} M={m}", rows, kernel=name, shape=shape, m=m)
+                         if on_fault else contextlib.nullcontext())
                 try:
-                    us = bench(setup(x))
+                    with guard:
+                        us = bench(setup(x))
                 except Exception as e:  # noqa: BLE001
                     raise_if_context_lost(f"{name} {shape} M={m}", rows, kernel=name, shape=shape, m=m)
                     print(f"# {name} {shape} M={m} failed: {type(e).__name__}: {str(e)[:160]}")
                     continue
                 extra = {}
                 for col, make in (rest[0] if rest else {}).items():
+                    guard = (hang_guard(on_fault, f"{name} {col} {shape} M={m}", rows, kernel=name, shape=shape, m=m)
+                             if on_fault else contextlib.nullcontext())
                     try:
-                        extra[col] = round(bench(make(x)), 2)
+                        with guard:
+                            extra[col] = round(bench(make(x)), 2)
                     except Exception as e:  # noqa: BLE001
                         raise_if_context_lost(f"{name} {col} {shape} M={m}", rows, kernel=name, shape=shape, m=m)
                         print(f"# {name} {col} {shape} M={m} failed: {type(e).__name__}: {str(e)[:160]}")
@@ -677,6 +685,9 @@ def main(argv=None) -> int:
         print(f"# stopped after the device fault ({len(faults)} so far); {path} has the rows measured before it")
         return 4
 
+    def on_hang(f: DeviceFault) -> None:  # from hang_guard's watchdog thread: f.rows is set
+        on_fault(f, f.rows)
+
     rows = list(state["rows"])
     sweeping = args.w8a8_sweep or args.fp8_sweep or args.wna16_sweep or args.w4a16
     try:
@@ -690,9 +701,9 @@ def main(argv=None) -> int:
             from kernels_w4a16 import w4a16_sweep
 
             rows = w4a16_sweep(args.shapes, args.m, copy_gbps, bench, rotating, cycler, kw8.floor_us, gpu,
-                               on_shape=save, rows=rows, skip=skip, done=done)
+                               on_shape=save, rows=rows, skip=skip, done=done, on_fault=on_hang)
         if not sweeping:
-            rows = plain_rows(args.shapes, args.m, groups, rows, done, skip, copy_gbps, gpu, save)
+            rows = plain_rows(args.shapes, args.m, groups, rows, done, skip, copy_gbps, gpu, save, on_fault=on_hang)
     except DeviceFault as f:
         return on_fault(f, rows)
     save(rows, complete=True)

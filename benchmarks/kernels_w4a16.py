@@ -92,12 +92,15 @@ def implied_mma_table(by_m: dict[int, dict[str, list[float]]], num_shapes: int) 
 
 
 def w4a16_sweep(shapes: list[str], ms: list[int], copy_gbps: float, bench, rotating, cycler, floor_us,
-                gpu: str, on_shape=None, rows: list[dict] | None = None, skip=frozenset(), done=frozenset()
-                ) -> list[dict]:
+                gpu: str, on_shape=None, rows: list[dict] | None = None, skip=frozenset(), done=frozenset(),
+                on_fault=None) -> list[dict]:
     """The sweep's rows, appended to ``rows`` (a run resumed after a device fault passes the rows it kept, the
     kernels it leaves out in ``skip`` and the ``(shape, M)`` pairs already measured in ``done``). A kernel that loses
-    the CUDA context raises :class:`common.DeviceFault` with the rows to keep (all but the faulted pair's)."""
-    from common import raise_if_context_lost
+    the CUDA context raises :class:`common.DeviceFault` with the rows to keep (all but the faulted pair's); one that
+    does not return hands that fault to ``on_fault`` from a watchdog (:func:`common.hang_guard`)."""
+    import contextlib
+
+    from common import hang_guard, raise_if_context_lost
 
     rows = [] if rows is None else rows
     by_m: dict[int, dict[str, list[float]]] = {}
@@ -117,8 +120,11 @@ def w4a16_sweep(shapes: list[str], ms: list[int], copy_gbps: float, bench, rotat
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             base = None
             for name, (setup, wbytes) in cands.items():
+                guard = (hang_guard(on_fault, f"{name} {shape} M={m}", rows, kernel=name, shape=shape, m=m)
+                         if on_fault else contextlib.nullcontext())
                 try:
-                    us = bench(setup(x))
+                    with guard:
+                        us = bench(setup(x))
                 except Exception as e:  # noqa: BLE001
                     raise_if_context_lost(f"{name} {shape} M={m}", rows, kernel=name, shape=shape, m=m)
                     print(f"# {name} {shape} M={m} failed: {type(e).__name__}: {str(e)[:160]}")

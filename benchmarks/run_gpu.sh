@@ -31,7 +31,8 @@
 # it in that process would fail: a test group stops after the culprit and goes on with the rest in a fresh process
 # (budget.sh gpu_pytest, tests/device_faults.py; the faults are listed in gpu-<gpu>.json under tests.device_faults),
 # and kernels.py / e2e_gpu.py save their rows, record the fault (device_faults in their JSON) and go on in a fresh
-# process without the faulting kernel / variant (benchmarks/common.py restart).
+# process without the faulting kernel / variant (benchmarks/common.py restart; a hung test or kernel row too:
+# LQE_TEST_HANG_S, default 120, and LQE_BENCH_HANG_S, default 90).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [[ "${1:-}" == --* ]]; then  # a focused stage: benchmarks/stages/<name>.sh

@@ -310,3 +310,53 @@ def test_kernels_py_goes_on_after_a_device_fault(tmp_path, monkeypatch):
     assert ("lqe-w4a16-mma", "4096x28672", 1) not in rows  # left out after its fault
     assert ("lqe-w4a16-mma", "4096x4096", 1) in rows  # measured before it
     assert len(doc["rows"]) == len(rows)  # nothing measured twice
+
+
+def test_kernels_py_restarts_past_a_hung_kernel(tmp_path, monkeypatch):
+    """A row that never returns: after LQE_BENCH_HANG_S a watchdog saves the rows (less the hung pair) and restarts
+    the run without that kernel, ending the process if it cannot."""
+    import json
+    import time
+
+    import common
+    import kernels
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Stub GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"multi_processor_count": 132}))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    real_randn = torch.randn
+    monkeypatch.setattr(torch, "randn", lambda *a, device=None, **k: real_randn(*a, **k))
+    monkeypatch.setattr(kernels, "copy_bandwidth", lambda: 3000.0)
+    monkeypatch.setattr(kernels, "bench", lambda fn, reps=100: fn())
+    monkeypatch.setattr(common, "HANG_S", 0.3)
+    hung = []
+
+    def fake_candidates(k, n, groups):
+        def hangs(x):
+            def run():
+                if x.shape[0] == 16 and not hung:
+                    hung.append(1)
+                    time.sleep(1.5)  # the watchdog fires meanwhile
+                return 4.0
+            return run
+        return {"cublas-bf16": (lambda x: lambda: 10.0, k * n * 2), "lqe-w4a16-mma": (hangs, k * n // 2)}
+
+    monkeypatch.setattr(kernels, "candidates", fake_candidates)
+    restarts, exits = [], []
+    monkeypatch.setattr(kernels, "restart", lambda extra: restarts.append(extra))
+    monkeypatch.setattr(common.os, "_exit", exits.append)
+    out = tmp_path / "kernels-stub.json"
+    argv = ["--m", "1", "16", "--shapes", "4096x6144", "4096x4096", "--out", str(out)]
+    kernels.main(argv)  # (here the process is not replaced: the stuck row returns after the watchdog fired)
+    assert exits == [4] and len(restarts) == 1 and restarts[0][0] == "--resume"
+    state = json.loads(open(restarts[0][1]).read())
+    assert state["skip"] == ["lqe-w4a16-mma"] and "no return after" in state["faults"][0]["error"]
+    assert {(r["kernel"], r["m"]) for r in state["rows"]} == {("cublas-bf16", 1), ("lqe-w4a16-mma", 1)}
+    monkeypatch.setattr(kernels, "restart", lambda extra: pytest.fail("restarted again"))
+    assert kernels.main(argv + restarts[0]) == 0
+    doc = json.loads(out.read_text())
+    got = {(r["kernel"], r["shape"], r["m"]) for r in doc["rows"]}
+    assert ("cublas-bf16", "4096x6144", 16) in got and ("lqe-w4a16-mma", "4096x4096", 1) not in got
+    assert doc["complete"] and doc["device_faults"][0]["kernel"] == "lqe-w4a16-mma"
