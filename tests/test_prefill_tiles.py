@@ -6,13 +6,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
 from lqe.forward_context import AttentionMetadata
+from hopper_compile import spill_bytes
 from lqe.kernels import prefill_tiles as pt
 from triton_compat import run_interpreted
 
@@ -117,28 +116,6 @@ def test_tiled_prefill_under_interpreter():
     run_interpreted(SCRIPT, "PREFILL-TILES-OK")
 
 
-def _ptxas_spill_bytes(ptx: str) -> int:
-    """Bytes of register spill stores ptxas reports for ``ptx`` on sm_90a (the ptxas Triton itself uses)."""
-    import re
-    import tempfile
-
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-        ptxas = get_ptxas(90).path
-    except ImportError:  # older Triton: one ptxas
-        from triton import knobs
-        ptxas = knobs.nvidia.ptxas.path
-    with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "k.ptx")
-        Path(src).write_text(ptx)
-        proc = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(d, "k.cubin")],
-                              capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found = re.search(r"(\d+) bytes spill stores", proc.stderr)
-    assert found, proc.stderr[-3000:]
-    return int(found.group(1))
-
-
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (pip install triton)")
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="ahead-of-time compilation needs the real JIT")
 @pytest.mark.parametrize("cfg", [
@@ -172,4 +149,4 @@ def test_tiled_prefill_compiles_for_hopper_without_spills(cfg):
     ptx = k.asm["ptx"]
     assert "mma" in ptx, "the prefill kernel should use tensor cores"
     assert ".local" not in ptx, "register spills to local memory"
-    assert _ptxas_spill_bytes(ptx) == 0, "ptxas spills registers"
+    assert spill_bytes(ptx) == 0, "ptxas spills registers"

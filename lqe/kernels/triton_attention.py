@@ -211,12 +211,13 @@ def _decode_reduce_kernel(Out, PartOut, PartLse, QueryStart, stride_ot, stride_o
 def _blocks(head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for prefill: no register spills on sm_90 (ptxas -v, every PACK, 16-bit and
     fp8 KV; tests/test_prefill_tiles.py). At head dim 128 four warps spill (~500 bytes), eight fit in ~190
-    registers; head dim 256 needs the smaller tile."""
+    registers; head dim 256 needs the smaller tile. A head dim padded to 128 (80, 96) takes 32-key tiles: at 64 keys
+    a 3-head GQA pack spills 44 bytes with Triton 3.6 (the GPU machine's; 3.9 fits it)."""
     bd = triton.next_power_of_2(head_dim)
     if bd <= 64:
         return 64, 64, 4
     if bd <= 128:
-        return 64, 64, 8
+        return (64, 64, 8) if bd == head_dim else (64, 32, 8)
     return 32, 32, 8
 
 

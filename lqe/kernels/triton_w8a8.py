@@ -21,7 +21,7 @@ all layers of a device: calls on one stream run one after another and each leave
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -111,6 +111,14 @@ def pick_config(m: int, n: int, k: int, device: torch.device | None = None,
         cfg = W8A8Config(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
                          auto_split_k(m, n, k, cfg, sm_count(device, cpu_default=8)), cfg.group_m)
     return cfg
+
+
+def asym_config(cfg: W8A8Config) -> W8A8Config:
+    """``cfg`` for asymmetric activations: their epilogue widens the accumulator tile to int64 (``acc - azp x colsum``
+    can leave int32), so a thread holds at most 64 accumulators; the 128 x 256 x 8-warp tile (128 each) spills 532
+    bytes with Triton 3.9 (tests/test_hopper_launches.py), so it runs as 128 x 128."""
+    per_thread = cfg.block_m * cfg.block_n // (32 * cfg.num_warps)
+    return cfg if per_thread <= 64 else replace(cfg, block_n=max(16, cfg.block_n * 64 // per_thread))
 
 
 def auto_split_k(m: int, n: int, k: int, cfg: W8A8Config, sms: int) -> int:
@@ -227,6 +235,8 @@ def w8a8_mm(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: t
     zp, zp_stride = per_token_vec(azp, m, torch.int32)
     if zp is not None and colsum is None:
         raise ValueError("triton-w8a8: asymmetric activations need the weight's colsum")
+    if zp is not None:
+        cfg = asym_config(cfg)
     w_scale = w_scale.reshape(-1)
     grid_mn = math.ceil(m / cfg.block_m) * math.ceil(n / cfg.block_n)
     split_k = min(cfg.split_k, math.ceil(k / cfg.block_k))

@@ -1,0 +1,246 @@
+"""Every Triton launch the kernel wrappers make for the configurations a model runs (the dispatch tables' configs per
+M bucket, each format's variants), compiled for sm_90 on a machine without a GPU (tests/hopper_compile.py): the
+launch compiles, its PTX has no local memory and ptxas spills nothing. The interpreter tests check what the kernels
+compute; this checks that the GPU compiler takes them as the wrappers launch them (the interpreter accepts code the
+compiler refuses).
+
+The GPU machine has Triton 3.6; CI may have a newer one. Run this file under the device's version too (README,
+"GPU"): ``python -m venv --system-site-packages /tmp/t36 && /tmp/t36/bin/pip install --no-deps triton==3.6.0 &&
+PYTHONPATH=$PWD /tmp/t36/bin/python -m pytest tests/test_hopper_launches.py``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
+                                reason="compiling for a GPU needs triton's real JIT (not the interpreter)")
+
+F8 = getattr(torch, "float8_e4m3fn", None)
+SHAPE = (4096, 4096)  # K x N of a Llama-3-8B o_proj: every table config resolves on it as on the model's layers
+
+
+def _compile_all(call) -> list[str]:
+    """Compile every launch ``call()`` makes; the kernel names, after checking each one's PTX and spills."""
+    from hopper_compile import captured_launches, compile_launch, spill_bytes
+
+    with captured_launches() as launches:
+        call()
+    assert launches, "the wrapper launched no Triton kernel"
+    names = []
+    for launch in launches:
+        kernel = compile_launch(launch)
+        ptx = kernel.asm["ptx"]
+        assert ".local" not in ptx, f"{launch.name}: local memory in the PTX"
+        assert spill_bytes(ptx) == 0, f"{launch.name}: ptxas spills registers"
+        names.append(launch.name)
+    return names
+
+
+def _ms(table) -> list[int]:
+    """One M per row of a ``(max_m, config)`` table: each row's largest M (the last row: twice the one before)."""
+    bounds = [m for m, _ in table if m is not None]
+    return bounds + ([2 * bounds[-1] if bounds else 64] if table[-1][0] is None else [])
+
+
+@pytest.fixture
+def cpu_launches(monkeypatch):
+    """The float ops take the Triton path for CPU tensors only under the interpreter; here their launches are
+    captured, never run."""
+    from lqe.kernels import fused_ops
+
+    monkeypatch.setattr(fused_ops, "_INTERPRET", True)
+
+
+def _int8(m, k, n):
+    g = torch.Generator().manual_seed(m)
+    return (torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g), torch.rand(m, 1) + 0.1,
+            torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g), torch.rand(n) + 0.1)
+
+
+def _w8a8_ms():
+    from lqe.kernels import triton_w8a8 as tw
+
+    return _ms(tw.CONFIGS)
+
+
+@pytest.mark.parametrize("m", _w8a8_ms())
+@pytest.mark.parametrize("asym", [False, True])
+def test_w8a8_gemm(m, asym):
+    from lqe.kernels import triton_w8a8 as tw
+
+    k, n = SHAPE
+    xq, sa, w, sw = _int8(m, k, n)
+    azp = torch.randint(-8, 8, (m, 1), dtype=torch.int32) if asym else None
+    colsum = w.sum(1, dtype=torch.int32) if asym else None
+    names = _compile_all(lambda: tw.w8a8_mm(xq, sa, w, sw, azp=azp, colsum=colsum,
+                                            bias=torch.rand(n, dtype=torch.bfloat16) if asym else None))
+    assert "_w8a8_mm_kernel" in names
+
+
+def test_w8a8_epilogue_after_int_mm():
+    from lqe.kernels import triton_w8a8 as tw
+
+    m, n = 64, SHAPE[1]
+    acc = torch.randint(-1000, 1000, (m, n), dtype=torch.int32)
+    assert _compile_all(lambda: tw.w8a8_epilogue(acc, torch.rand(m, 1), torch.rand(n), azp=torch.ones(m, 1, dtype=torch.int32),
+                                                 colsum=torch.ones(n, dtype=torch.int32))) == ["_epilogue_kernel"]
+
+
+def _gemv_ms():
+    from lqe.kernels import triton_gemv_w8a8 as tg
+
+    return _ms(tg.CONFIGS)
+
+
+@pytest.mark.parametrize("m", _gemv_ms())
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gemv(m, fp8):
+    from lqe.kernels import triton_gemv_w8a8 as tg
+
+    if fp8 and F8 is None:
+        pytest.skip("this torch has no float8_e4m3fn")
+    k, n = SHAPE
+    xq, sa, w, sw = _int8(m, k, n)
+    if fp8:
+        xq, w = xq.float().div(8).to(F8), w.float().div(8).to(F8)
+    assert _compile_all(lambda: tg.gemv_w8a8(xq, sa, w, sw)) == ["_gemv_kernel"]
+
+
+def _fp8_ms():
+    from lqe.kernels import triton_fp8 as tf
+
+    return sorted(set(_ms(tf.CONFIGS)) | set(_ms(tf.BLOCK_CONFIGS)))
+
+
+@pytest.mark.skipif(F8 is None, reason="this torch has no float8_e4m3fn")
+@pytest.mark.parametrize("m", _fp8_ms())
+@pytest.mark.parametrize("block", [False, True])
+def test_fp8_gemm(m, block):
+    from lqe.kernels import triton_fp8 as tf
+
+    k, n = SHAPE
+    xq = torch.randn(m, k).div(4).to(F8)
+    w = torch.randn(n, k).div(4).to(F8)
+    if block:
+        sa, sw = torch.rand(m, k // 128) + 0.1, torch.rand(n // 128, k // 128) + 0.1
+    else:
+        sa, sw = torch.rand(m, 1) + 0.1, torch.rand(n) + 0.1
+    assert _compile_all(lambda: tf.fp8_mm(xq, sa, w, sw, bias=torch.rand(n, dtype=torch.bfloat16),
+                                          block_scale=block)) == ["_fp8_mm_kernel"]
+
+
+def _wna16_cases():
+    from lqe.kernels import triton_wna16 as tw
+
+    cases = [(m, False, 4, True, torch.bfloat16) for m in _ms(tw.CONFIG_TABLE)]
+    cases += [(m, True, 4, True, torch.bfloat16) for m in _ms(tw.SWAP_CONFIG_TABLE)]
+    cases += [(16, swap, 8, False, torch.float16) for swap in (False, True)]  # W8A16 sym, fp16
+    return cases
+
+
+@pytest.mark.parametrize("m,swap,bits,asym,dtype", _wna16_cases())
+def test_wna16_gemm(m, swap, bits, asym, dtype):
+    from lqe.kernels import repack, triton_wna16 as tw
+    from lqe.kernels.canonical import CanonicalWeight
+
+    k, n = SHAPE
+    g = torch.Generator().manual_seed(m)
+    cw = CanonicalWeight(torch.randint(0, 2**bits, (k, n), dtype=torch.uint8, generator=g),
+                         torch.rand(k // 128, n, generator=g) * 0.01 + 0.001,
+                         torch.randint(0, 2**bits, (k // 128, n), dtype=torch.uint8, generator=g) if asym else None,
+                         None, bits, 128)
+    p = repack.repack_wna16(cw, dtype)
+    x = torch.randn(m, k, dtype=dtype)
+    cfg = tw.pick_config(m, n, k, swap_ab=swap)
+    names = _compile_all(lambda: tw.gemm(x, p, bias=torch.rand(n, dtype=dtype), config=cfg))
+    assert names[0] == "_wna16_gemm_kernel"
+
+
+def test_wna16_dequantize():
+    from lqe.kernels import repack, triton_wna16 as tw
+    from lqe.kernels.canonical import CanonicalWeight
+
+    k, n = SHAPE
+    cw = CanonicalWeight(torch.randint(0, 16, (k, n), dtype=torch.uint8), torch.rand(k // 128, n) + 0.01,
+                         torch.randint(0, 16, (k // 128, n), dtype=torch.uint8), None, 4, 128)
+    p = repack.repack_wna16(cw, torch.bfloat16)
+    assert _compile_all(lambda: tw.dequantize(p)) == ["_wna16_dequant_kernel"]
+
+
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+def test_store_kv(cache):
+    from lqe.kernels import triton_kv_store as tkv
+
+    if cache == "fp8" and F8 is None:
+        pytest.skip("this torch has no float8_e4m3fn")
+    t, kvh, d, blocks, page = 37, 8, 128, 16, 16
+    key, value = torch.randn(t, kvh, d, dtype=torch.bfloat16), torch.randn(t, kvh, d, dtype=torch.bfloat16)
+    kv = torch.empty(2, blocks, page, kvh, d, dtype=torch.bfloat16 if cache == "bf16" else F8)
+    scales = (torch.ones(1), torch.ones(1)) if cache == "fp8" else (None, None)
+    slots = torch.arange(t, dtype=torch.int64)
+    assert _compile_all(lambda: tkv.store_kv(key, value, kv, slots, *scales)) == ["_store_kv_kernel"]
+
+
+@pytest.mark.parametrize("hidden", [576, 4096])
+def test_float_ops(hidden, cpu_launches):
+    from lqe.kernels import fused_ops as fo
+
+    x = torch.randn(33, hidden, dtype=torch.bfloat16)
+    w = torch.ones(hidden, dtype=torch.bfloat16)
+    assert _compile_all(lambda: fo.rms_norm(x, w, 1e-5, residual=x.clone(), use_triton=True)) == ["_rms_norm_kernel"]
+    assert _compile_all(lambda: fo.silu_and_mul(torch.randn(33, 2 * hidden, dtype=torch.bfloat16),
+                                                use_triton=True)) == ["_silu_and_mul_kernel"]
+    heads, d = hidden // 64, 64
+    q, k = torch.randn(33, heads * d, dtype=torch.bfloat16), torch.randn(33, 2 * d, dtype=torch.bfloat16)
+    cos_sin = torch.randn(512, d)
+    pos = torch.arange(33)
+    assert _compile_all(lambda: fo.rotary_embedding(pos, q, k, cos_sin, d, use_triton=True)) == ["_rotary_kernel"] * 2
+
+
+@pytest.mark.skipif(F8 is None, reason="this torch has no float8_e4m3fn")
+@pytest.mark.parametrize("group,static", [(0, False), (128, False), (0, True)])
+def test_fp8_producers(group, static, cpu_launches):
+    from lqe.kernels import fused_quant_fp8 as fq
+
+    hidden, inter = 4096, 14336
+    x = torch.randn(33, hidden, dtype=torch.bfloat16)
+    scale = torch.ones(1) if static else None
+    assert _compile_all(lambda: fq.rms_norm_quant_fp8(x, torch.ones(hidden, dtype=torch.bfloat16), 1e-5,
+                                                      residual=x.clone(), group=group, use_triton=True, scale=scale)
+                        ) == ["_rms_norm_quant_fp8_kernel"]
+    assert _compile_all(lambda: fq.silu_mul_quant_fp8(torch.randn(33, 2 * inter, dtype=torch.bfloat16), group=group,
+                                                      use_triton=True, scale=scale)) == ["_silu_mul_quant_fp8_kernel"]
+
+
+@pytest.mark.parametrize("head_dim,group,cache", [(64, 3, "bf16"), (128, 4, "bf16"), (128, 4, "fp8"), (80, 3, "bf16")])
+def test_paged_attention_mixed_step(head_dim, group, cache):
+    """A mixed step (two prefill chunks beside three decodes, one of them long enough to split): the prefill tiles,
+    the split decode and its reduction, as paged_attention launches them for the head dim and GQA group."""
+    from lqe.forward_context import AttentionMetadata
+    from lqe.kernels import triton_attention as ta
+
+    if cache == "fp8" and F8 is None:
+        pytest.skip("this torch has no float8_e4m3fn")
+    page, kvh = 16, 2
+    specs = [(1, 4000), (37, 0), (1, 20), (70, 30), (1, 300)]  # (query tokens, cached tokens) per sequence
+    qsl, lens = [0], []
+    for q, c in specs:
+        qsl.append(qsl[-1] + q)
+        lens.append(q + c)
+    blocks = -(-max(lens) // page)
+    tables = torch.arange(len(specs) * blocks, dtype=torch.int32).view(len(specs), blocks)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(qsl[-1], dtype=torch.int64),
+                             query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+                             seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
+                             max_query_len=max(q for q, _ in specs), max_seq_len=max(lens), query_start_loc_cpu=qsl,
+                             seq_lens_cpu=lens, block_size=page)
+    query = torch.randn(qsl[-1], kvh * group, head_dim, dtype=torch.bfloat16)
+    kv = torch.zeros(2, tables.numel(), page, kvh, head_dim, dtype=torch.bfloat16 if cache == "bf16" else F8)
+    scales = (torch.ones(1), torch.ones(1)) if cache == "fp8" else (None, None)
+    names = _compile_all(lambda: ta.paged_attention(query, kv, meta, head_dim ** -0.5, k_scale=scales[0],
+                                                    v_scale=scales[1]))
+    assert names == ["_prefill_kernel", "_decode_kernel", "_decode_reduce_kernel"], names
