@@ -177,3 +177,17 @@ def restart(extra_argv: list[str]) -> bool:
     sys.stderr.flush()
     os.execv(sys.executable, [sys.executable, sys.argv[0], *sys.argv[1:], *extra_argv])
     return True  # not reached
+
+
+def bench_row(bench, make, what: str, rows: list[dict], on_fault=None, **where) -> float | None:
+    """``bench(make())`` for one benchmark row, or None (printed) when it fails and the CUDA context survives; a lost
+    context raises :class:`DeviceFault` keeping ``rows`` less the pair being measured, and with ``on_fault`` a row
+    that never returns hands that fault to it from a watchdog (:func:`hang_guard`)."""
+    guard = hang_guard(on_fault, what, rows, **where) if on_fault else contextlib.nullcontext()
+    try:
+        with guard:
+            return bench(make())
+    except Exception as e:  # noqa: BLE001 -- one failing row must not lose the others
+        raise_if_context_lost(what, rows, **where)
+        print(f"# {what} failed: {type(e).__name__}: {str(e)[:160]}")
+        return None

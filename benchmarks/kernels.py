@@ -15,7 +15,6 @@ W8A8 / FP8 tables it implies after every shape (and saves them in the JSON).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DeviceFault, hang_guard, raise_if_context_lost, restart  # noqa: E402
+from common import DeviceFault, bench_row, raise_if_context_lost, restart  # noqa: E402
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # K x N: qkv, o, gate_up, down
 # --rows groups: which rows each times (cublas-bf16, the baseline, always runs)
@@ -559,25 +558,15 @@ def plain_rows(shapes: list[str], ms: list[int], groups: frozenset[str], rows: l
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             base = base_model = None
             for name, (setup, wbytes, *rest) in cands.items():
-                guard = (hang_guard(on_fault, f"{name} {shape} M={m}", rows, kernel=name, shape=shape, m=m)
-                         if on_fault else contextlib.nullcontext())
-                try:
-                    with guard:
-                        us = bench(setup(x))
-                except Exception as e:  # noqa: BLE001
-                    raise_if_context_lost(f"{name} {shape} M={m}", rows, kernel=name, shape=shape, m=m)
-                    print(f"# {name} {shape} M={m} failed: {type(e).__name__}: {str(e)[:160]}")
+                where = dict(kernel=name, shape=shape, m=m)
+                us = bench_row(bench, lambda: setup(x), f"{name} {shape} M={m}", rows, on_fault, **where)
+                if us is None:
                     continue
                 extra = {}
                 for col, make in (rest[0] if rest else {}).items():
-                    guard = (hang_guard(on_fault, f"{name} {col} {shape} M={m}", rows, kernel=name, shape=shape, m=m)
-                             if on_fault else contextlib.nullcontext())
-                    try:
-                        with guard:
-                            extra[col] = round(bench(make(x)), 2)
-                    except Exception as e:  # noqa: BLE001
-                        raise_if_context_lost(f"{name} {col} {shape} M={m}", rows, kernel=name, shape=shape, m=m)
-                        print(f"# {name} {col} {shape} M={m} failed: {type(e).__name__}: {str(e)[:160]}")
+                    v = bench_row(bench, lambda: make(x), f"{name} {col} {shape} M={m}", rows, on_fault, **where)
+                    if v is not None:
+                        extra[col] = round(v, 2)
                 if name == "cublas-bf16":
                     base, base_model = us, extra.get("model_us")
                 gbps = (wbytes + m * k * 2 + m * n * 2) / (us * 1e-6) / 1e9

@@ -98,9 +98,7 @@ def w4a16_sweep(shapes: list[str], ms: list[int], copy_gbps: float, bench, rotat
     kernels it leaves out in ``skip`` and the ``(shape, M)`` pairs already measured in ``done``). A kernel that loses
     the CUDA context raises :class:`common.DeviceFault` with the rows to keep (all but the faulted pair's); one that
     does not return hands that fault to ``on_fault`` from a watchdog (:func:`common.hang_guard`)."""
-    import contextlib
-
-    from common import hang_guard, raise_if_context_lost
+    from common import bench_row
 
     rows = [] if rows is None else rows
     by_m: dict[int, dict[str, list[float]]] = {}
@@ -120,14 +118,9 @@ def w4a16_sweep(shapes: list[str], ms: list[int], copy_gbps: float, bench, rotat
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             base = None
             for name, (setup, wbytes) in cands.items():
-                guard = (hang_guard(on_fault, f"{name} {shape} M={m}", rows, kernel=name, shape=shape, m=m)
-                         if on_fault else contextlib.nullcontext())
-                try:
-                    with guard:
-                        us = bench(setup(x))
-                except Exception as e:  # noqa: BLE001
-                    raise_if_context_lost(f"{name} {shape} M={m}", rows, kernel=name, shape=shape, m=m)
-                    print(f"# {name} {shape} M={m} failed: {type(e).__name__}: {str(e)[:160]}")
+                us = bench_row(bench, lambda: setup(x), f"{name} {shape} M={m}", rows, on_fault, kernel=name,
+                               shape=shape, m=m)
+                if us is None:
                     continue
                 if name == "cublas-bf16":
                     base = us

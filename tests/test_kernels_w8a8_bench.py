@@ -244,16 +244,12 @@ def test_a_rows_run_keeps_the_other_rows_of_the_file(tmp_path):
     assert kernels.carried_rows(tmp_path / "missing.json", "GPU A") == []
 
 
-def test_kernels_py_goes_on_after_a_device_fault(tmp_path, monkeypatch):
-    """A kernel that loses the CUDA context in benchmarks/kernels.py: the run saves its rows less the faulted
-    (shape, M), and a fresh process (here: main called again with the --resume state the restart would pass) goes on
-    from there without that kernel, so the rows after it are measured and the fault is in the JSON."""
-    import json
-
-    import common
+@pytest.fixture
+def stub_gpu(monkeypatch):
+    """benchmarks/kernels.py on a stand-in GPU: CUDA calls answered on the CPU, a row's time is what its function
+    returns."""
     import kernels
 
-    lost = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Stub GPU")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
@@ -263,6 +259,20 @@ def test_kernels_py_goes_on_after_a_device_fault(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "randn", lambda *a, device=None, **k: real_randn(*a, **k))
     monkeypatch.setattr(kernels, "copy_bandwidth", lambda: 3000.0)
     monkeypatch.setattr(kernels, "bench", lambda fn, reps=100: fn())
+    return kernels
+
+
+def test_kernels_py_goes_on_after_a_device_fault(tmp_path, monkeypatch, stub_gpu):
+    """A kernel that loses the CUDA context in benchmarks/kernels.py: the run saves its rows less the faulted
+    (shape, M), and a fresh process (here: main called again with the --resume state the restart would pass) goes on
+    from there without that kernel, so the rows after it are measured and the fault is in the JSON."""
+    import json
+
+    import common
+
+    kernels = stub_gpu
+
+    lost = []
     monkeypatch.setattr(common, "cuda_fault", lambda: "AcceleratorError: CUDA error: an illegal memory access" if lost
                         else None)
 
@@ -312,24 +322,16 @@ def test_kernels_py_goes_on_after_a_device_fault(tmp_path, monkeypatch):
     assert len(doc["rows"]) == len(rows)  # nothing measured twice
 
 
-def test_kernels_py_restarts_past_a_hung_kernel(tmp_path, monkeypatch):
+def test_kernels_py_restarts_past_a_hung_kernel(tmp_path, monkeypatch, stub_gpu):
     """A row that never returns: after LQE_BENCH_HANG_S a watchdog saves the rows (less the hung pair) and restarts
     the run without that kernel, ending the process if it cannot."""
     import json
     import time
 
     import common
-    import kernels
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Stub GPU")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"multi_processor_count": 132}))
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    real_randn = torch.randn
-    monkeypatch.setattr(torch, "randn", lambda *a, device=None, **k: real_randn(*a, **k))
-    monkeypatch.setattr(kernels, "copy_bandwidth", lambda: 3000.0)
-    monkeypatch.setattr(kernels, "bench", lambda fn, reps=100: fn())
+    kernels = stub_gpu
+
     monkeypatch.setattr(common, "HANG_S", 0.3)
     hung = []
 
