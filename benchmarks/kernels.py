@@ -33,7 +33,7 @@ SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # K x N: qk
 # --rows groups: which rows each times (cublas-bf16, the baseline, always runs)
 ROW_GROUPS = {
     "w4a16": ("lqe-w4a16", "lqe-w4a16-fused", "lqe-w4a16-dequant", "triton-wna16", "triton-wna16-swap",
-              "triton-dequant+cublas",
+              "triton-dequant+cublas", "triton-dequant-l2+cublas",
               "triton-dequant-only", "torch-int4pack", "lqe-w4a16-mma", "lqe-w4a16-mma-dequant+cublas"),
     "w8a8": ("lqe-w8a8", "torch-int-mm", "triton-w8a8", "int-mm+epilogue", "w8a8-table+quant", "triton-gemv",
              "lqe-w8a8-layer"),
@@ -219,15 +219,16 @@ def candidates(k: int, n: int, groups: frozenset[str] = frozenset(ROW_GROUPS)):
 def add_wna16_candidates(out: dict, k: int, n: int, p4: list, w4bytes: int, dev: str = "cuda") -> None:
     """Triton W4A16 rows on the wna16-layout packed weights ``p4`` (lqe/kernels/triton_wna16.py; build them with
     :func:`repack_wna16`): the GEMM with its table config, the swapped-operand GEMM with its own table
-    (``triton-wna16-swap``: the weights are wgmma's register operand on Hopper), dequantize + cuBLAS, and the
-    dequantize kernel alone (bytes: packed read + bf16 write)."""
+    (``triton-wna16-swap``: the weights are wgmma's register operand on Hopper), dequantize + cuBLAS (whole, and in
+    L2-sized column chunks), and the dequantize kernel alone (bytes: packed read + bf16 write)."""
     import lqe.kernels as lk
     from lqe.kernels import triton_wna16 as tw
 
     if tw.unavailable_reason(dev) is not None:
         print(f"# triton-wna16 skipped: {tw.unavailable_reason(dev)}")
         return
-    for name in ("triton-wna16", "triton-wna16-swap", "triton-dequant+cublas"):  # (swap: its SWAP_CONFIG_TABLE)
+    for name in ("triton-wna16", "triton-wna16-swap", "triton-dequant+cublas",  # (swap: its SWAP_CONFIG_TABLE)
+                 "triton-dequant-l2+cublas"):  # (l2: column chunks that fit in L2, triton_wna16.l2_chunk_cols)
         out[name] = ((lambda path: lambda x: (lambda p=cycler(p4): lambda: lk.wna16_gemm(x, p(), path=path))())(name),
                      w4bytes)
     wbuf = torch.empty(k, n, device=dev, dtype=torch.bfloat16)

@@ -32,7 +32,7 @@ W8A8_KERNEL_ROWS = ("triton-gemv", "triton-w8a8", "int-mm+epilogue", "lqe-w8a8")
 FP8_KERNEL_ROWS = ("triton-gemv-fp8", "triton-fp8", "lqe-fp8/torch-scaled-mm")
 # W4A16: one table per weight layout (a layer holds one): the wna16 layout's kernels, and lqe-w4a16-mma's own
 WNA16_KERNEL_ROWS = ("lqe-w4a16-fused", "triton-wna16", "triton-wna16-swap", "triton-dequant+cublas",
-                     "lqe-w4a16-dequant")
+                     "triton-dequant-l2+cublas", "lqe-w4a16-dequant")
 WNA16_MMA_KERNEL_ROWS = ("lqe-w4a16-mma", "lqe-w4a16-mma-dequant+cublas")
 TABLE_NAMES = {"triton-gemv-fp8": "triton-gemv", "lqe-fp8/torch-scaled-mm": "scaled-mm",
                "lqe-w4a16-fused": "lqe-wna16-fused", "lqe-w4a16-dequant": "dequant+cublas"}
@@ -54,7 +54,7 @@ def floor_us(kernel: str, m: int, n: int, k: int, copy_gbps: float, device_name:
     standalone quantizer's float read and 8-bit write."""
     if kernel.startswith("cublas") or kernel.startswith("torch-matmul"):
         wb, kind = 2.0, "bf16"
-    elif "w4a16" in kernel or "wna16" in kernel or "int4" in kernel:
+    elif "w4a16" in kernel or "wna16" in kernel or "int4" in kernel or "dequant" in kernel:
         wb, kind = 0.5 + 2 / 128, "bf16"
     else:
         wb, kind = 1.0, "int8"

@@ -169,6 +169,8 @@ def test_wna16_dequantize():
                          torch.randint(0, 16, (k // 128, n), dtype=torch.uint8), None, 4, 128)
     p = repack.repack_wna16(cw, torch.bfloat16)
     assert _compile_all(lambda: tw.dequantize(p)) == ["_wna16_dequant_kernel"]
+    x = torch.randn(64, k, dtype=torch.bfloat16)  # triton-dequant-l2+cublas: one dequantize per column chunk
+    assert _compile_all(lambda: tw.dequant_matmul(x, p, chunk_cols=1536)) == ["_wna16_dequant_kernel"] * 3
 
 
 @pytest.mark.parametrize("cache", ["bf16", "fp8"])

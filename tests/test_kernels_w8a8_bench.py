@@ -215,6 +215,7 @@ def test_w4a16_rows_time_their_own_layout_whatever_the_table(w4a16_on_cpu):
             "lqe-w4a16-fused": ("fused", "PackedWNA16"), "lqe-w4a16-dequant": ("dequant", "PackedWNA16"),
             "triton-wna16": ("triton-wna16", "PackedWNA16"), "triton-wna16-swap": ("triton-wna16-swap", "PackedWNA16"),
             "triton-dequant+cublas": ("triton-dequant+cublas", "PackedWNA16"),
+            "triton-dequant-l2+cublas": ("triton-dequant-l2+cublas", "PackedWNA16"),
             "triton-dequant-only": ("dequantize", "PackedWNA16"),
             "lqe-w4a16-mma": ("lqe-w4a16-mma", "PackedMMA"),
             "lqe-w4a16-mma-dequant+cublas": ("lqe-w4a16-mma-dequant+cublas", "PackedMMA")}
@@ -223,7 +224,8 @@ def test_w4a16_rows_time_their_own_layout_whatever_the_table(w4a16_on_cpu):
     assert _layouts(out, calls) == want
     out = k4.w4a16_candidates(256, 128, kb.rotating, kb.cycler, dev="cpu")
     assert _layouts(out, calls) == {nm: v for nm, v in want.items() if nm in out}
-    assert {"lqe-w4a16", "lqe-w4a16-dequant", "triton-wna16", "triton-wna16-swap", "lqe-w4a16-mma"} <= set(out)
+    assert {"lqe-w4a16", "lqe-w4a16-dequant", "triton-wna16", "triton-wna16-swap", "lqe-w4a16-mma",
+            "triton-dequant-l2+cublas"} <= set(out)
 
 
 def test_a_rows_run_keeps_the_other_rows_of_the_file(tmp_path):

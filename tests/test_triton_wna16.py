@@ -104,6 +104,27 @@ SCRIPT = textwrap.dedent("""
                     assert (w.float() - truth.float()).abs().max().item() <= 2 ** -7 * truth.abs().max().item()
                 y = tw.dequant_matmul(torch.randn(5, 320).to(dt), p)
                 assert y.shape == (5, 192) and not torch.isnan(y).any()
+                # column ranges (a 64-multiple start, a ragged end) into a view with a longer row stride
+                buf = torch.full((320, 200), float("nan"), dtype=dt)
+                part = tw.dequantize(p, buf[:, :120], cols=(64, 184))
+                assert torch.equal(part, w[:, 64:184]) and torch.isnan(buf[:, 120:]).all(), (bits, asym, dt)
+
+    # dequantize + cuBLAS in column chunks (triton-dequant-l2+cublas): each chunk's columns are the one-pass GEMM's
+    cw = canonical(256, 448, 4, 128, True, False, seed=21)
+    p = repack.repack_wna16(cw, torch.float16)
+    x, bias = torch.randn(7, 256).half(), torch.randn(448).half()
+    whole = tw.dequant_matmul(x, p, bias)
+    for chunk in (64, 128, 192, 448, 1024):
+        out = torch.full((7, 448), float("nan"), dtype=torch.float16)
+        y = tw.dequant_matmul(x, p, bias, out=out, chunk_cols=chunk)
+        assert y.data_ptr() == out.data_ptr() and torch.allclose(y.float(), whole.float(), atol=1e-3, rtol=1e-3), chunk
+    for bad in ((32, 96), (0, 449)):
+        try:
+            tw.dequantize(p, cols=bad)
+        except ValueError as e:
+            assert "multiple of 64" in str(e)
+        else:
+            raise AssertionError(f"dequantize accepted {{bad}}")
     print("TRITON-WNA16-OK")
 """)
 

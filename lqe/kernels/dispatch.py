@@ -31,6 +31,10 @@ WNA16_TABLE: list[tuple[int | None, str]] = [
 # MEASURED YET: benchmarks/kernels.py times it as the row "triton-wna16-swap" beside "triton-wna16"; a model runs it
 # on WNA16_SWAP_TABLE with LQE_WNA16_TABLE=swap (e2e_gpu.py's variant w4a16-swap), the hypothesis to measure: the
 # swapped GEMM in place of triton-wna16, and above it while its 128-token tiles beat dequantize + cuBLAS.
+# "triton-dequant-l2+cublas" (triton_wna16.dequant_matmul with l2_chunk_cols): dequantize + cuBLAS in column chunks
+# that fit in half the L2, each chunk's GEMM right after its dequantize. NOT MEASURED YET: benchmarks/kernels.py times
+# it beside "triton-dequant+cublas"; the hypothesis is that cuBLAS reads each chunk from L2, so at large M (where
+# dequantize + cuBLAS is ~0.75x bf16: the dense weights' round trip through HBM) it nears cuBLAS bf16 itself.
 WNA16_SWAP_TABLE: list[tuple[int | None, str]] = [
     (4, "lqe-wna16-fused"),
     (256, "triton-wna16-swap"),  # guessed crossover

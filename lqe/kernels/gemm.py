@@ -33,9 +33,10 @@ LARGE_M_THRESHOLD = 128
 _COUNTERPART = {"lqe-wna16-fused": "triton-wna16", "triton-wna16": "lqe-wna16-fused",
                 "triton-wna16-swap": "lqe-wna16-fused",
                 "triton-dequant+cublas": "dequant+cublas", "dequant+cublas": "triton-dequant+cublas",
+                "triton-dequant-l2+cublas": "dequant+cublas",
                 "lqe-w4a16-mma": "triton-wna16", "lqe-w4a16-mma-dequant+cublas": "triton-dequant+cublas"}
 _MMA_KERNELS = (gemm_mma.MMA_KERNEL, "lqe-w4a16-mma-dequant+cublas")
-_TRITON_KERNELS = ("triton-wna16", "triton-wna16-swap", "triton-dequant+cublas")
+_TRITON_KERNELS = ("triton-wna16", "triton-wna16-swap", "triton-dequant+cublas", "triton-dequant-l2+cublas")
 # Split-K aims for this many resident blocks per SM so few-tile decode shapes still fill the GPU.
 # NEEDS MEASUREMENT (memory-level parallelism vs. fix-up traffic).
 TARGET_BLOCKS_PER_SM = 4
@@ -194,10 +195,11 @@ def wna16_gemm(x: torch.Tensor, packed: PackedWNA16, bias: torch.Tensor | None =
         if config is None and name == "triton-wna16-swap":
             config = triton_wna16.pick_config(m, packed.n, packed.k, swap_ab=True)
         triton_wna16.gemm(x2, packed, bias, out, config)
-    elif name == "triton-dequant+cublas":
+    elif name in ("triton-dequant+cublas", "triton-dequant-l2+cublas"):  # l2: column chunks that fit in L2
         from lqe.kernels import triton_wna16
 
-        triton_wna16.dequant_matmul(x2, packed, bias, out)
+        chunk = triton_wna16.l2_chunk_cols(packed.k, packed.n, x2.device) if "-l2" in name else None
+        triton_wna16.dequant_matmul(x2, packed, bias, out, chunk)
     elif name == "dequant+cublas":
         w = torch.empty(packed.k, packed.n, dtype=x2.dtype, device=x2.device)
         _ext().wna16_dequant(packed.qweight, packed.scales, packed.zeros, w, packed.bits, packed.group_size)

@@ -17,7 +17,8 @@ MAX_ROWS = 64  # kMmaMaxRows: rows of one launch (a larger M runs as several 64-
 MMA_KERNEL = "lqe-w4a16-mma"
 # Table names that the mma layout serves with its own dequantize + cuBLAS (its weights are in another layout
 # than the wna16 kernels read).
-MMA_DEQUANT_NAMES = ("dequant+cublas", "triton-dequant+cublas", "lqe-w4a16-mma-dequant+cublas")
+MMA_DEQUANT_NAMES = ("dequant+cublas", "triton-dequant+cublas", "triton-dequant-l2+cublas",
+                     "lqe-w4a16-mma-dequant+cublas")
 
 _workspaces: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 # Buffers a larger reserve replaced: a CUDA graph captured earlier (another model's, in the same process) still

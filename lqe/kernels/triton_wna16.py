@@ -339,15 +339,17 @@ if triton is not None:
                  mask=mask)
 
     @triton.jit
-    def _wna16_dequant_kernel(QW, S, Z, W, N, K, group_size, BITS: tl.constexpr, HAS_ZP: tl.constexpr,
-                              BK: tl.constexpr, BN: tl.constexpr):
+    def _wna16_dequant_kernel(QW, S, Z, W, N, K, group_size, n_lo, n_hi, stride_w, BITS: tl.constexpr,
+                              HAS_ZP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+        """Columns ``n_lo .. n_hi`` (``n_lo`` a multiple of 64) of the dense weights into ``W`` (row stride
+        ``stride_w``, column 0 = ``n_lo``)."""
         k0 = tl.program_id(0) * BK
-        n0 = tl.program_id(1) * BN
+        n0 = n_lo + tl.program_id(1) * BN
         KT: tl.constexpr = BK // 16
         q = tl.reshape(_load_codes(QW, k0, n0, K, N, BK, BN, BITS).to(tl.float32), (KT, 16, BN))
         offs_n = n0 + tl.arange(0, BN)
         kt = k0 // 16 + tl.arange(0, KT)
-        pmask = (kt[:, None, None] < K // 16) & (offs_n[None, None, :] < N)
+        pmask = (kt[:, None, None] < K // 16) & (offs_n[None, None, :] < n_hi)
         sidx = (kt * 16 // group_size)[:, None, None] * N + _stored_col(offs_n)[None, None, :]
         s = tl.load(S + sidx, mask=pmask, other=0.0).to(tl.float32)
         if HAS_ZP:
@@ -357,8 +359,8 @@ if triton is not None:
         # (q - z) is an exact small integer and s has <= 11 significant bits: one rounding, as the CUDA kernel
         w = tl.reshape((q - z) * s, (BK, BN)).to(W.dtype.element_ty)
         offs_k = k0 + tl.arange(0, BK)
-        mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
-        tl.store(W + offs_k.to(tl.int64)[:, None] * N + offs_n[None, :], w, mask=mask)
+        mask = (offs_k[:, None] < K) & (offs_n[None, :] < n_hi)
+        tl.store(W + offs_k.to(tl.int64)[:, None] * stride_w + (offs_n - n_lo)[None, :], w, mask=mask)
 
 
 def _magic(dtype: torch.dtype, bits: int) -> tuple[int, float]:
@@ -399,26 +401,60 @@ def gemm(x: torch.Tensor, p: PackedWNA16, bias: torch.Tensor | None = None, out:
     return out
 
 
-def dequantize(p: PackedWNA16, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Dense ``[K, N]`` weights in sorted-K order and the scales' dtype (bit-equal to the CUDA dequantize)."""
+def dequantize(p: PackedWNA16, out: torch.Tensor | None = None, cols: tuple[int, int] | None = None) -> torch.Tensor:
+    """Dense ``[K, N]`` weights in sorted-K order and the scales' dtype (bit-equal to the CUDA dequantize); with
+    ``cols = (lo, hi)`` (``lo`` a multiple of 64) only those columns, ``[K, hi - lo]`` (``out`` may be a view with
+    a longer row stride)."""
+    lo, hi = cols or (0, p.n)
+    if lo % 64 or not 0 <= lo < hi <= p.n:
+        raise ValueError(f"dequantize cols {cols}: need 0 <= lo < hi <= N={p.n} with lo a multiple of 64")
     if out is None:
-        out = torch.empty(p.k, p.n, dtype=p.scales.dtype, device=p.qweight.device)
+        out = torch.empty(p.k, hi - lo, dtype=p.scales.dtype, device=p.qweight.device)
+    if out.shape != (p.k, hi - lo) or out.stride(1) != 1:
+        raise ValueError(f"dequantize out {tuple(out.shape)} (strides {out.stride()}): need [{p.k}, {hi - lo}] "
+                         "with contiguous rows")
     bk, bn = DEQUANT_BLOCK
-    _wna16_dequant_kernel[(triton.cdiv(p.k, bk), triton.cdiv(p.n, bn))](
-        p.qweight, p.scales, p.zeros if p.zeros is not None else p.scales, out, p.n, p.k, p.group_size,
-        BITS=p.bits, HAS_ZP=p.zeros is not None, BK=bk, BN=bn, num_warps=8)
+    _wna16_dequant_kernel[(triton.cdiv(p.k, bk), triton.cdiv(hi - lo, bn))](
+        p.qweight, p.scales, p.zeros if p.zeros is not None else p.scales, out, p.n, p.k, p.group_size, lo, hi,
+        out.stride(0), BITS=p.bits, HAS_ZP=p.zeros is not None, BK=bk, BN=bn, num_warps=8)
     return out
 
 
+def l2_chunk_cols(k: int, n: int, device: torch.device) -> int | None:
+    """Columns per dequantize + cuBLAS chunk whose bf16/fp16 weights fit in half the GPU's L2 (a multiple of 256,
+    at least 512), or None (one pass: it all fits, or no CUDA device). NOT MEASURED: the hypothesis the
+    ``triton-dequant-l2+cublas`` row tests is that cuBLAS then reads each chunk from L2 while it is still there,
+    so the dense weights never make the round trip through HBM that costs dequantize + cuBLAS its ~25 % at large M."""
+    if device.type != "cuda":
+        return None
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    cols = max(512, (l2 // 2) // (2 * k) // 256 * 256)
+    return cols if cols < n else None
+
+
 def dequant_matmul(x: torch.Tensor, p: PackedWNA16, bias: torch.Tensor | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton dequantize into a temporary ``[K, N]`` + cuBLAS (prefill-sized M)."""
-    w = dequantize(p, torch.empty(p.k, p.n, dtype=x.dtype, device=x.device))
+                   out: torch.Tensor | None = None, chunk_cols: int | None = None) -> torch.Tensor:
+    """Triton dequantize into a temporary ``[K, N]`` + cuBLAS (prefill-sized M); with ``chunk_cols`` (a multiple of
+    64) the weights go ``chunk_cols`` columns at a time through one ``[K, chunk_cols]`` buffer, each chunk's GEMM
+    right after its dequantize (``triton-dequant-l2+cublas``: :func:`l2_chunk_cols`)."""
     if out is None:
         out = torch.empty(x.shape[0], p.n, dtype=x.dtype, device=x.device)
-    if bias is None:
-        return torch.matmul(x, w, out=out)
-    return torch.addmm(bias, x, w, out=out)
+    if chunk_cols is None or chunk_cols >= p.n:
+        w = dequantize(p, torch.empty(p.k, p.n, dtype=x.dtype, device=x.device))
+        if bias is None:
+            return torch.matmul(x, w, out=out)
+        return torch.addmm(bias, x, w, out=out)
+    if chunk_cols % 64:
+        raise ValueError(f"chunk_cols={chunk_cols} must be a multiple of 64 (the weight layout's column tile)")
+    buf = torch.empty(p.k, chunk_cols, dtype=x.dtype, device=x.device)
+    for lo in range(0, p.n, chunk_cols):
+        hi = min(p.n, lo + chunk_cols)
+        w = dequantize(p, buf[:, :hi - lo], cols=(lo, hi))
+        if bias is None:
+            torch.mm(x, w, out=out[:, lo:hi])
+        else:
+            torch.addmm(bias[lo:hi], x, w, out=out[:, lo:hi])
+    return out
 
 
 def flops_bytes(m: int, n: int, k: int, bits: int, group_size: int, has_zp: bool) -> tuple[float, float]:

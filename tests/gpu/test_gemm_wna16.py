@@ -137,6 +137,16 @@ def test_triton_all_m(dtype, m, k, n, path):
     run_case(m, k, n, 4, 128, False, False, dtype, path)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 257, 1024])
+@pytest.mark.parametrize("k,n", [(4096, 4096), (14336, 4096), (4096, 28672)])
+def test_triton_dequant_l2_chunks(dtype, m, k, n):
+    """Dequantize + cuBLAS in L2-sized column chunks (triton-dequant-l2+cublas) on Llama-3-8B shapes, which chunk
+    on an H100 / H200 (each chunk's dequantize writes a view of one buffer, its GEMM a column slice of out)."""
+    assert tw.l2_chunk_cols(k, n, torch.device("cuda")) < n
+    run_case(m, k, n, 4, 128, True, False, dtype, "triton-dequant-l2+cublas")
+
+
 @pytest.mark.parametrize("m", [8, 16, 32, 64, 128, 1024])
 def test_every_sweep_config_is_correct(m):
     """The benchmark sweep must only time correct kernels."""
