@@ -180,11 +180,18 @@ except ImportError:
     pass
 # The gate in several device calls (LQE_SKIP names what an earlier call ran): a stage skipped by name keeps the
 # result an earlier call at the same commit wrote, tests included, so the file ends up describing the whole gate.
-try:
-    prev = json.load(open(out))
-except (OSError, ValueError):
-    prev = None
-if prev and prev.get("commit") == commit and prev.get("device") == report["device"]:
+# (a device call starts with an empty $OUT: the earlier call's file then comes from the tree, where the session put
+# what that call brought back: LQE_PREV_RESULTS, default benchmarks/results)
+prev = None
+for path in (out, os.path.join(os.environ.get("LQE_PREV_RESULTS", "benchmarks/results"), os.path.basename(out))):
+    try:
+        doc = json.load(open(path))
+    except (OSError, ValueError):
+        continue
+    if doc.get("commit") == commit and doc.get("device") == report["device"]:
+        prev = doc
+        break
+if prev:
     for k, v in rcs.items():
         if v == -1 and k in prev.get("stages", {}):
             report["stages"][k] = prev["stages"][k]

@@ -267,3 +267,35 @@ def test_run_gpu_goes_on_after_a_process_ends_inside_a_test(tmp_path):
     assert len(fault) == 1 and fault[0].startswith("tests/gpu/test_stub.py::test_b\tthe pytest process ended"), fault
     runs = [c for c in calls if c.startswith("-m pytest") and "--collect-only" not in c]
     assert len(runs) == 2 and "::test_c" in runs[1] and "::test_b" not in runs[1] and "::test_a" not in runs[1]
+
+
+def test_run_gpu_second_call_finds_the_first_calls_file_in_the_tree(tmp_path):
+    """On the device every call starts with an empty $OUT: the second call of the gate reads the first call's
+    gpu-<gpu>.json from the tree (LQE_PREV_RESULTS, default benchmarks/results), where the session put it, when it
+    is of the same commit and device."""
+    import json
+    import shutil
+
+    proc, _, out = _dry_run(tmp_path, [], LQE_SKIP="e2e calib", LQE_COMMIT="abc1234")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    tree = tmp_path / "tree-results"
+    tree.mkdir()
+    shutil.copy(out / "gpu-stub-gpu.json", tree / "gpu-stub-gpu.json")
+    shutil.rmtree(out)
+    for d in ("bin", "site"):
+        shutil.rmtree(tmp_path / d)
+    (tmp_path / "calls.log").unlink()
+    proc, _, out = _dry_run(tmp_path, [], LQE_SKIP="tests kernels", LQE_COMMIT="abc1234",
+                            LQE_PREV_RESULTS=str(tree))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    both = json.loads((out / "gpu-stub-gpu.json").read_text())
+    assert both["tests"]["passed"] == 2 and all(v == "ok" for v in both["stages"].values()), both
+    # another commit's file is not taken for this one's
+    for d in ("bin", "site"):
+        shutil.rmtree(tmp_path / d)
+    (tmp_path / "calls.log").unlink()
+    shutil.rmtree(out)
+    proc, _, out = _dry_run(tmp_path, [], LQE_SKIP="tests kernels", LQE_COMMIT="def5678",
+                            LQE_PREV_RESULTS=str(tree))
+    other = json.loads((out / "gpu-stub-gpu.json").read_text())
+    assert other["stages"]["tests"] == "skipped" and proc.returncode == 0
