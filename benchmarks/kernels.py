@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DeviceFault, bench_row, raise_if_context_lost, restart  # noqa: E402
+from common import DeviceFault, bench_row, commit, raise_if_context_lost, restart  # noqa: E402
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # K x N: qkv, o, gate_up, down
 # --rows groups: which rows each times (cublas-bf16, the baseline, always runs)
@@ -625,7 +625,13 @@ def main(argv=None) -> int:
     copy_gbps = copy_bandwidth()
     env = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
            "capability": ".".join(map(str, torch.cuda.get_device_capability())),
-           "sms": torch.cuda.get_device_properties(0).multi_processor_count}
+           "sms": torch.cuda.get_device_properties(0).multi_processor_count, "lqe_commit": commit()}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
     print(f"# {gpu} | torch {env['torch']} cuda {env['cuda']} | d2d copy {copy_gbps:.0f} GB/s")
     import kernels_w8a8 as kw8
 
