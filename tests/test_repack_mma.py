@@ -147,7 +147,7 @@ def test_stripe_schedule_covers_every_tile_once_in_lock_order(n_tiles, k_tiles, 
         assert ps[0][1] == k_tiles and ps[-1][0] == 0
         for i, (k_lo, k_hi, order, b) in enumerate(ps):
             assert order == i  # the lock value this piece waits for = number of pieces added before it
-            assert i == 0 or (ps[i - 1][0] == k_hi and ps[i - 1][3] > b)  # waits only on higher blocks
+            assert i == 0 or (ps[i - 1][0] == k_hi and ps[i - 1][3] > b)  # waits only on higher stripes
 
 
 @pytest.mark.parametrize("n,k,sms", [(28672, 4096, 132), (6144, 4096, 132), (4096, 4096, 132), (4096, 14336, 132),
@@ -158,6 +158,19 @@ def test_stripe_schedule_never_chains_the_blocks(n, k, sms):
     n_tiles, k_tiles = -(-n // 256), -(-k // 64)
     _, per = mma_ref.stripe_plan(n_tiles, k_tiles, sms)
     assert mma_ref.stripe_critical_path(n_tiles, k_tiles, sms) <= per + 1
+
+
+@pytest.mark.parametrize("n,k,sms", [(256, 14336, 224), (256, 14336, 132), (1024, 4096, 132), (4096, 4096, 132),
+                                     (28672, 4096, 108), (6144, 4096, 78)])
+def test_no_block_waits_on_one_not_dispatched(n, k, sms):
+    """Block b runs stripe grid - 1 - b, so a piece waits only on stripes in lower blocks, which the GPU dispatches
+    first: the launch finishes even when one block fits at a time (other kernels on the SMs, an ``sms`` above the
+    resident slots). With block b on stripe b a resident block would spin on a block still waiting for its slot."""
+    n_tiles, k_tiles = -(-n // 256), -(-k // 64)
+    assert mma_ref.dispatch_completes(n_tiles, k_tiles, sms, resident=1)
+    assert not mma_ref.dispatch_completes(n_tiles, k_tiles, sms, resident=1, reverse=False)
+    grid, _ = mma_ref.stripe_plan(n_tiles, k_tiles, sms)
+    assert [mma_ref.stripe_of_block(b, grid) for b in (0, grid - 1)] == [grid - 1, 0]
 
 
 def test_unsupported_inputs_are_named():

@@ -99,6 +99,15 @@ at::Tensor w4a16_mma_gemm(const at::Tensor& x, const at::Tensor& qweight, const 
               "lqe w4a16-mma: ws must be float32 with >= 64 * n_pad elements");
   TORCH_CHECK(locks.scalar_type() == at::kInt && locks.numel() >= n_pad / lqe::kMmaTileN,
               "lqe w4a16-mma: locks must be int32 with >= n_pad / 256 elements");
+  TORCH_CHECK(group_size > 0 && scales.size(0) >= (K + group_size - 1) / group_size,
+              "lqe w4a16-mma: scales has ", scales.size(0), " groups, K=", K, " needs ceil(K / group_size=",
+              group_size, ")");
+  // cp.async copies 16 bytes from qweight / scales / zeros, the epilogue stores two outputs as one 32-bit word
+  const auto misaligned = [](const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n != 0; };
+  TORCH_CHECK(!misaligned(qweight.data_ptr(), 16) && !misaligned(scales.data_ptr(), 16) &&
+                  !(zeros.has_value() && misaligned(zeros->data_ptr(), 16)) && !misaligned(out.data_ptr(), 4),
+              "lqe w4a16-mma: qweight / scales / zeros must be 16-byte aligned and out 4-byte aligned "
+              "(a view at an odd offset: pass a copy)");
   raise_if(lqe::launch_w4a16_mma(dt, (int)bits, x.data_ptr(), qweight.data_ptr(), scales.data_ptr(),
                                  opt_ptr(zeros, "zeros", x), opt_ptr(bias, "bias", x), out.data_ptr(),
                                  ws.data_ptr<float>(), locks.data_ptr<int>(), (int)M, (int)N, (int)K, (int)k_pad,

@@ -91,7 +91,11 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
   extern __shared__ __align__(16) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g8 = lane >> 2, t4 = lane & 3;
   const int total = a.n_tiles * a.k_tiles;
-  const int it0 = blockIdx.x * a.per, it1 = min(total, it0 + a.per);
+  // Block b runs stripe grid - 1 - b: a stripe waits only on stripes above it (see finish_piece), which then run in
+  // blocks with a LOWER index, dispatched before this one, so no block ever spins on one that is not resident yet
+  // (whatever else shares the SMs, and for any sms). mma_ref.stripe_of_block / dispatch_completes check it.
+  const int stripe = (int)gridDim.x - 1 - (int)blockIdx.x;
+  const int it0 = stripe * a.per, it1 = min(total, it0 + a.per);
   if (it0 >= it1) return;
   const uint64_t pol = evict_first_policy();
   const T* A = static_cast<const T*>(a.A);
@@ -144,15 +148,14 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
   // FIRST piece its block computes, so it opens the sum without waiting; the first K piece (k_lo == 0) is the LAST
   // piece its block computes, and by then the blocks above have long finished theirs. (Summing from k_lo == 0 up
   // chains the blocks: each one's first piece would wait for the block below to finish its whole stripe.)
-  // A block waits only on higher blocks; every block is resident (grid <= SMs, one block per SM).
+  // A stripe waits only on higher stripes, which run in lower blocks (dispatched earlier: see `stripe` above).
   auto finish_piece = [&](int nt, int k_lo, int k_hi) {
     const bool opens = k_hi == a.k_tiles, closes = k_lo == 0, shared_tile = !(opens && closes);
     int* lock = a.locks + nt;
-    const int rank = (nt * a.k_tiles + a.k_tiles - 1) / a.per - (int)blockIdx.x;  // pieces that add before this one
+    const int rank = (nt * a.k_tiles + a.k_tiles - 1) / a.per - stripe;  // pieces that add before this one
     if (shared_tile) {
       if (tid == 0)
-        while (ld_acquire(lock) != rank) {
-        }
+        while (ld_acquire(lock) != rank) __nanosleep(32);  // (spares L2 the polling of a long wait)
       __syncthreads();
     }
     T* C = static_cast<T*>(a.C);

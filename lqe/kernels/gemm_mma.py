@@ -30,6 +30,8 @@ def reserve_workspace(device: torch.device | str, n_pad: int) -> tuple[torch.Ten
     """``(ws fp32 [64 * n_pad], locks int32 [n_pad / 256])`` for ``device``, grown to fit ``n_pad``; call it at
     load time (outside graph capture) for every layer's ``n_pad``."""
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" are one workspace
+        device = torch.device("cuda", torch.cuda.current_device())
     key = str(device)
     ws, locks = _workspaces.get(key, (None, None))
     if ws is None or ws.numel() < MAX_ROWS * n_pad:

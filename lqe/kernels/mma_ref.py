@@ -142,9 +142,10 @@ def stripe_plan(n_tiles: int, k_tiles: int, sms: int) -> tuple[int, int]:
 
 
 def stripe_pieces(n_tiles: int, k_tiles: int, sms: int) -> list[list[tuple[int, int, int, int]]]:
-    """Per block, its pieces ``(n_tile, k_lo, k_hi, order)`` as the kernel walks them; ``order`` is the value
-    the tile's lock must hold before the block adds its partial sums (``last block of the tile - b``): a tile's
-    pieces add up from its last K piece (its block's first piece) down to k = 0 (its block's last piece)."""
+    """Per stripe (block ``grid - 1 - s`` runs stripe ``s``: :func:`stripe_of_block`), its pieces ``(n_tile, k_lo,
+    k_hi, order)`` as the kernel walks them; ``order`` is the value the tile's lock must hold before the stripe adds
+    its partial sums (``last stripe of the tile - s``): a tile's pieces add up from its last K piece (its stripe's
+    first piece) down to k = 0 (its stripe's last piece)."""
     grid, per = stripe_plan(n_tiles, k_tiles, sms)
     blocks = []
     for b in range(grid):
@@ -157,6 +158,44 @@ def stripe_pieces(n_tiles: int, k_tiles: int, sms: int) -> list[list[tuple[int, 
             it += k_hi - k_lo
         blocks.append(pieces)
     return blocks
+
+
+def stripe_of_block(block: int, grid: int) -> int:
+    """The stripe block ``block`` runs: ``grid - 1 - block``, so the stripes a piece waits on (higher ones) run in
+    blocks with lower indices, which the GPU dispatches first."""
+    return grid - 1 - block
+
+
+def dispatch_completes(n_tiles: int, k_tiles: int, sms: int, resident: int, reverse: bool = True) -> bool:
+    """Whether a launch finishes when only ``resident`` blocks fit on the GPU at a time and blocks are dispatched
+    in index order as slots free up (other kernels on the SMs, more stripes than slots): a resident block that
+    waits on a stripe whose block is not dispatched yet holds its slot. ``reverse=False`` models block b running
+    stripe b instead of :func:`stripe_of_block`."""
+    stripes = stripe_pieces(n_tiles, k_tiles, sms)
+    grid = len(stripes)
+    pieces = [stripes[stripe_of_block(b, grid) if reverse else b] for b in range(grid)]
+    done: set[tuple[int, int]] = set()
+    cursor, running, next_block, finished = [0] * grid, [], 0, 0
+    while finished < grid:
+        while len(running) < resident and next_block < grid:
+            running.append(next_block)
+            next_block += 1
+        progressed = False
+        for b in list(running):
+            while cursor[b] < len(pieces[b]):
+                t, _, _, order = pieces[b][cursor[b]]
+                if order > 0 and (t, order - 1) not in done:
+                    break
+                done.add((t, order))
+                cursor[b] += 1
+                progressed = True
+            if cursor[b] == len(pieces[b]):
+                running.remove(b)
+                finished += 1
+                progressed = True
+        if not progressed:
+            return False
+    return True
 
 
 def stripe_critical_path(n_tiles: int, k_tiles: int, sms: int) -> int:
