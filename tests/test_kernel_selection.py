@@ -381,3 +381,18 @@ def test_fp8_scaled_mm_path(emulated_kernels, dtype, strategy, static):
     x = torch.randn(5, 256).to(dtype)
     out = layer(x)
     assert out.dtype == dtype and rel_err(out, x.float() @ w.t()) < 0.1
+
+
+def test_split_k_counters_outlive_a_larger_reserve():
+    """The CUDA GEMMs' split-K counters: one zeroed buffer per device, large enough that graphs never see it grow;
+    when a call needs more, the old buffer stays alive (a graph captured earlier still addresses it)."""
+    from lqe.kernels import gemm
+
+    dev = torch.device("cpu")
+    gemm._state.pop(f"counters:{dev}", None)
+    first = gemm.counters(dev, 10)
+    assert first.numel() == gemm.COUNTERS_MIN and not first.any()
+    assert gemm.counters(dev, gemm.COUNTERS_MIN) is first
+    bigger = gemm.counters(dev, gemm.COUNTERS_MIN + 1)
+    assert bigger.numel() == gemm.COUNTERS_MIN + 1 and any(b is first for b in gemm._retired_counters)
+    gemm._state.pop(f"counters:{dev}", None)

@@ -51,10 +51,10 @@ def test_a_grown_workspace_keeps_the_old_buffers_alive(monkeypatch):
     assert ws["cpu"][0].numel() == 20 and ws.retired == [first]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match=r"during CUDA-graph capture: call lqe\.kernels\.mod\.reserve_workspace"):
-        ws.reserve("cuda", 8, "layer q")
-    ws["cuda"] = ws["cpu"]  # (a CUDA entry on a CPU machine: only the size check runs)
+        ws.reserve("cuda:0", 8, "layer q")
+    ws["cuda:0"] = ws["cpu"]  # (a CUDA entry on a CPU machine: only the size check runs)
     with pytest.raises(RuntimeError, match="too small for layer q"):
-        ws.acquire(torch.device("cuda"), 64, "layer q")
+        ws.acquire(torch.device("cuda:0"), 64, "layer q")
 
 
 @pytest.mark.parametrize("kernel", ["triton-w8a8", "torch._int_mm", "triton-fp8", "triton-gemv"])

@@ -19,6 +19,14 @@ def sm_count(device: torch.device | None, cpu_default: int) -> int:
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def device_key(device: torch.device | str) -> str:
+    """The name a per-device buffer is kept under: ``"cuda"`` and ``"cuda:<current>"`` are one device."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
+
+
 def cuda_fault() -> str | None:
     """The error every CUDA call of this process now raises, or None while the CUDA context is usable.
 

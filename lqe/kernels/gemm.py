@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from lqe.kernels import build, dispatch
-from lqe.kernels.device_info import sm_count as device_sm_count
+from lqe.kernels.device_info import device_key, sm_count as device_sm_count
 from lqe.kernels import gemm_mma
 from lqe.kernels.repack import PackedWNA16, repack_wna16, wna16_unsupported
 from lqe.kernels.repack_mma import PackedMMA, mma_unsupported, repack_mma
@@ -96,12 +96,24 @@ def plan_slabs_per_split(m: int, n: int, k: int, device: torch.device, kslab: in
     return math.ceil(units / splits) * unroll
 
 
+# Split-K arrival counters per device: one per (256-column, 16-row) tile. The first buffer covers N <= 65536 at
+# M <= 8192 (512 KiB), so a CUDA graph captured after the first call never needs a larger one.
+COUNTERS_MIN = 1 << 17
+_retired_counters: list[torch.Tensor] = []  # buffers a larger one replaced: graphs captured before still use them
+
+
 def counters(device: torch.device, needed: int) -> torch.Tensor:
     """Persistent zeroed split-K arrival counters (the kernels reset what they use). One stream at a time."""
-    key = f"counters:{device}"
+    key = f"counters:{device_key(device)}"
     buf = _state.get(key)
     if buf is None or buf.numel() < needed:
-        buf = torch.zeros(max(needed, 4096), dtype=torch.int32, device=device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"lqe W4A16/W8A8 CUDA GEMM: {needed} split-K counters needed inside a CUDA graph "
+                               f"capture, {0 if buf is None else buf.numel()} reserved; run the layer once at this M "
+                               "before capturing")
+        if buf is not None:
+            _retired_counters.append(buf)
+        buf = torch.zeros(max(needed, COUNTERS_MIN), dtype=torch.int32, device=device)
         _state[key] = buf
     return buf
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from lqe.kernels.device_info import sm_count as device_sm_count
+from lqe.kernels.device_info import device_key, sm_count as device_sm_count
 from lqe.kernels.repack_mma import TILE_N, PackedMMA
 
 MAX_ROWS = 64  # kMmaMaxRows: rows of one launch (a larger M runs as several 64-row problems)
@@ -29,10 +29,7 @@ _retired: list[tuple[torch.Tensor, torch.Tensor]] = []
 def reserve_workspace(device: torch.device | str, n_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ws fp32 [64 * n_pad], locks int32 [n_pad / 256])`` for ``device``, grown to fit ``n_pad``; call it at
     load time (outside graph capture) for every layer's ``n_pad``."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" are one workspace
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = str(device)
+    device, key = torch.device(device), device_key(device)
     ws, locks = _workspaces.get(key, (None, None))
     if ws is None or ws.numel() < MAX_ROWS * n_pad:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():

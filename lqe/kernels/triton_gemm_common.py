@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from lqe.kernels.device_info import device_key
+
 try:
     import triton
     import triton.language as tl
@@ -31,7 +33,8 @@ except ImportError:  # pragma: no cover - triton is optional on CPU
 
 
 class SplitKWorkspace(dict):
-    """The split-K buffers of one kernel family, per device: ``self[str(device)] = (partials, arrival counters)``.
+    """The split-K buffers of one kernel family, per device: ``self[device_key(device)] = (partials, arrival
+    counters)``.
 
     :meth:`reserve` grows them (at load, before any CUDA-graph capture: growing allocates); :meth:`acquire` grows
     them outside a capture and refuses inside one, naming the reserve call to make first."""
@@ -44,8 +47,8 @@ class SplitKWorkspace(dict):
         self.retired: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def reserve(self, device: torch.device | str, numel: int, what: str = "this layer") -> None:
-        device = torch.device(device)
-        ws = self.get(str(device))
+        device, key = torch.device(device), device_key(device)
+        ws = self.get(key)
         if ws is None or ws[0].numel() < numel:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"{self.kernel} split-K workspace too small for {what} during CUDA-graph capture: "
@@ -53,14 +56,14 @@ class SplitKWorkspace(dict):
             if ws is not None:
                 self.retired.append(ws)
             alloc = torch.zeros if self.zeroed else torch.empty
-            self[str(device)] = (alloc(max(numel, 1), dtype=self.dtype, device=device),
+            self[key] = (alloc(max(numel, 1), dtype=self.dtype, device=device),
                                  torch.zeros(self.cnt_slots, dtype=torch.int32, device=device))
 
     def acquire(self, device: torch.device, numel: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
-        ws = self.get(str(device))
+        ws = self.get(device_key(device))
         if ws is None or ws[0].numel() < numel:
             self.reserve(device, numel, what)
-            ws = self[str(device)]
+            ws = self[device_key(device)]
         return ws
 
     def for_launch(self, device: torch.device, split_k: int, numel: int, what: str, tiles: int,
