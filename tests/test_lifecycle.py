@@ -53,6 +53,21 @@ def test_shutdown_releases_and_is_idempotent(model_dir):
     assert _tokens(again) == first
 
 
+def test_shutdown_with_an_async_step_in_flight_releases(model_dir):
+    """async_scheduling: a step still in flight at shutdown (an abandoned stream) holds the model runner; shutdown
+    drops it with everything else."""
+    llm = LLM(model_dir, async_scheduling=True, **KW)
+    eng = llm.llm_engine
+    eng.add_request("a", PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    assert eng.async_stepper.inflight is not None
+    held = _held(llm)
+    llm.shutdown()
+    gc.collect()
+    assert [r() for r in held] == [None] * len(held), "a step in flight kept the runner alive after shutdown()"
+
+
 def test_with_block_and_del_release(model_dir):
     with LLM(model_dir, **KW) as llm:
         toks = _tokens(llm)

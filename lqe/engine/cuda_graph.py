@@ -62,6 +62,7 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: torch.Tensor | None = None  # [max bucket, vocab]: every graph writes its rows here
         self.pool = None
+        self.capture_stream: torch.cuda.Stream | None = None  # the stream the graphs were captured on (piecewise too)
         self.capture_seconds = 0.0
         self.pool_bytes = 0
 
@@ -107,11 +108,14 @@ class CudaGraphRunner:
                 self.logits = torch.empty(b, logits.shape[1], dtype=logits.dtype, device=logits.device)
             del logits
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            # captured on the warm-up stream, which the piecewise graphs capture on too: a graph pool hands a freed
+            # block back only to the stream that freed it, so one stream is what lets them share the pool's memory
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                 self.logits[:b].copy_(self._forward(b, lay))
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[b] = graph
+        self.capture_stream = stream
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t0
         self.pool_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])

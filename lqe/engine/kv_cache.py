@@ -59,6 +59,7 @@ class KVCacheSpec:
         else:
             budget = config.kv_cache_memory_bytes
             if not budget and device.type == "cuda":
+                torch.cuda.empty_cache()  # load-time temporaries (weight checks, repacks) are free, not used memory
                 free, total = torch.cuda.mem_get_info(device)
                 budget = int(total * config.gpu_memory_utilization - (total - free) - (1 << 30))
             elif not budget:

@@ -146,6 +146,9 @@ class LLMEngine:
         on_cuda = self.device.type == "cuda" and torch.cuda.is_available()
         if on_cuda:
             torch.cuda.synchronize(self.device)  # nothing in flight still reads what is freed below
+        if self.async_stepper is not None:  # a step left in flight (an abandoned stream()) holds the runner
+            self.async_stepper.inflight = None
+            self.async_stepper = None
         self.runner = None
         self.structured = None
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)

@@ -147,7 +147,7 @@ class ModelRunner:
             cap = self.config.max_num_batched_tokens
             buckets = token_buckets(min(cap, self.config.max_piecewise_tokens or cap))
         self.piecewise = PiecewiseRunner(self.model, self.kv_caches, self.inputs.device_buf, buckets, backend)
-        self.piecewise.capture()
+        self.piecewise.capture(stream=getattr(self.graph_runner, "capture_stream", None))
 
     def piecewise_bucket(self, sched: SchedulerOutput) -> int | None:
         """The token bucket whose piecewise graphs run ``sched``, or ``None`` (decode graph or eager)."""

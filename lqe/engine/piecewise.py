@@ -23,6 +23,7 @@ aten ops over the same static tensors on CPU (tests prove the piecewise step equ
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -114,15 +115,18 @@ class PiecewiseRunner:
             self._backend, self._current = self.backend, None
 
     @torch.inference_mode()
-    def capture(self, max_seconds: float = CAPTURE_SECONDS, reserve_bytes: int = CAPTURE_RESERVE_BYTES) -> None:
-        """Capture every wanted bucket, largest first, within the time and free-memory budget."""
+    def capture(self, max_seconds: float = CAPTURE_SECONDS, reserve_bytes: int = CAPTURE_RESERVE_BYTES,
+                stream: torch.cuda.Stream | None = None) -> None:
+        """Capture every wanted bucket, largest first, within the time and free-memory budget; on CUDA on ``stream``
+        (the decode graphs' capture stream, so the shared pool reuses their blocks; default a new one)."""
         t0 = time.perf_counter()
         cuda = self.device_buf.device.type == "cuda"
         if cuda:
+            gc.collect()  # (as torch.cuda.graph does: no collection frees pinned host memory mid-capture)
             torch.cuda.synchronize()
             free_before = torch.cuda.mem_get_info()[0]
         self._rows = max(self.wanted)
-        stream = torch.cuda.Stream() if cuda else None
+        stream = (stream or torch.cuda.Stream()) if cuda else None
         skipped = []
         for b in sorted(self.wanted, reverse=True):
             if self.graphs and (time.perf_counter() - t0 > max_seconds or
