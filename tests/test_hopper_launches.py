@@ -185,6 +185,13 @@ def test_store_kv(cache):
     scales = (torch.ones(1), torch.ones(1)) if cache == "fp8" else (None, None)
     slots = torch.arange(t, dtype=torch.int64)
     assert _compile_all(lambda: tkv.store_kv(key, value, kv, slots, *scales)) == ["_store_kv_kernel"]
+    if cache == "fp8":  # the quotient x / scale correctly rounded, as torch's (not div.full): the same fp8 codes
+        from hopper_compile import captured_launches, compile_launch
+
+        with captured_launches() as launches:
+            tkv.store_kv(key, value, kv, slots, *scales)
+        ptx = compile_launch(launches[0]).asm["ptx"]
+        assert "div.rn.f32" in ptx and "div.full.f32" not in ptx
 
 
 @pytest.mark.parametrize("hidden", [576, 4096])

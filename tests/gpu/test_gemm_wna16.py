@@ -1,6 +1,8 @@
 """GPU: lqe W4A16/W8A16 CUDA GEMM and dequantize kernels against the canonical torch reference."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -142,9 +144,25 @@ def test_triton_all_m(dtype, m, k, n, path):
 @pytest.mark.parametrize("k,n", [(4096, 4096), (14336, 4096), (4096, 28672)])
 def test_triton_dequant_l2_chunks(dtype, m, k, n):
     """Dequantize + cuBLAS in L2-sized column chunks (triton-dequant-l2+cublas) on Llama-3-8B shapes, which chunk
-    on an H100 / H200 (each chunk's dequantize writes a view of one buffer, its GEMM a column slice of out)."""
+    on an H100 / H200 (each chunk's dequantize writes a view of one buffer, its GEMM a column slice of out); checked
+    against the one-pass dequantize + cuBLAS on the same weights (one weight and reference per shape and dtype)."""
     assert tw.l2_chunk_cols(k, n, torch.device("cuda")) < n
-    run_case(m, k, n, 4, 128, True, False, dtype, "triton-dequant-l2+cublas")
+    packed, w = _l2_case(k, n, dtype)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+    y = gemm.wna16_gemm(x, packed, bias, out=out, path="triton-dequant-l2+cublas")
+    assert y.data_ptr() == out.data_ptr()
+    check(y, (x.float() @ w.float() + bias.float()), k)
+
+
+@functools.lru_cache(maxsize=None)
+def _l2_case(k, n, dtype):
+    """A 4-bit g128 asymmetric weight on the GPU and its dequantized [K, N] (the one-pass Triton dequantize)."""
+    cw = canonical(k, n, 4, 128, True, False, seed=k + n)
+    kernel, reason = gemm.select_w4a16_kernel(cw, "cuda", dtype)
+    assert kernel is not None, reason
+    return kernel.packed, tw.dequantize(kernel.packed)
 
 
 @pytest.mark.parametrize("m", [8, 16, 32, 64, 128, 1024])
