@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lqe.kernels import triton_fp8, triton_gemv_w8a8, triton_w8a8
-from lqe.kernels.triton_gemm_common import SplitKWorkspace, check_operands, gemm_io
+from lqe.kernels.triton_gemm_common import SplitKWorkspace, check_operands, gemm_io, nonempty_splits
 
 E4M3 = torch.float8_e4m3fn
 
@@ -37,6 +37,41 @@ def test_split_k_buffers_of_a_launch():
     sk, part, cnt = ws.for_launch(torch.device("cpu"), 3, 100, "x", 4, unused)
     assert sk == 3 and part.numel() >= 100 and part.dtype == torch.int32 and cnt.numel() == 4
     assert ws.for_launch(torch.device("cpu"), 3, 100, "x", 5, unused) == (1, unused, unused)  # a counter per tile
+
+
+def test_no_split_is_left_without_k_blocks():
+    """split_k_range gives each split ceil(k_blocks / SPLIT_K) blocks; the trimmed count keeps that share and leaves
+    no split empty (56 K blocks over 9 splits: 7 each, 8 splits)."""
+    for k_blocks in range(1, 80):
+        for want in range(1, 40):
+            got = nonempty_splits(want, k_blocks * 64 - 3, 64)
+            share = -(-k_blocks // min(want, k_blocks))
+            assert 1 <= got <= want and -(-k_blocks // got) == share  # same work per program
+            assert (got - 1) * share < k_blocks  # the last split has a block
+    assert nonempty_splits(9, 14336, 256) == 8 and nonempty_splits(14, 14336, 256) == 14
+
+
+@pytest.mark.parametrize("kernel", ["w8a8", "fp8", "gemv"])
+def test_launches_have_no_empty_split(kernel, monkeypatch):
+    """The wrappers launch the trimmed split count: K = 14336 in 256-wide blocks asked for 9 splits runs 8."""
+    mod = {"w8a8": triton_w8a8, "fp8": triton_fp8, "gemv": triton_gemv_w8a8}[kernel]
+    name = {"w8a8": "_w8a8_mm_kernel", "fp8": "_fp8_mm_kernel", "gemv": "_gemv_kernel"}[kernel]
+    grids = []
+
+    class Launch:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *a, **kw: None
+
+    monkeypatch.setattr(mod, name, Launch())
+    dt = E4M3 if kernel == "fp8" else torch.int8
+    x, w = torch.zeros(1, 14336, dtype=dt), torch.zeros(64, 14336, dtype=dt)
+    cfg = {"w8a8": lambda: triton_w8a8.W8A8Config(16, 64, 256, split_k=9),
+           "fp8": lambda: triton_fp8.Fp8Config(16, 64, 256, split_k=9),
+           "gemv": lambda: triton_gemv_w8a8.GemvConfig(block_n=64, block_k=256, split_k=9)}[kernel]()
+    call = {"w8a8": triton_w8a8.w8a8_mm, "fp8": triton_fp8.fp8_mm, "gemv": triton_gemv_w8a8.gemv_w8a8}[kernel]
+    call(x, torch.ones(1), w, torch.ones(64), out_dtype=torch.float16, config=cfg)
+    assert grids and grids[0][1] == 8
 
 
 def test_a_grown_workspace_keeps_the_old_buffers_alive(monkeypatch):

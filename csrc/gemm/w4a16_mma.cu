@@ -18,6 +18,8 @@
 //   in one exact sub / fma, the scale applied in one mul; no shared-memory round trip. mma.sync m16n8k16 with
 //   fp32 accumulation, MB m16 tiles (16..64 rows) per launch.
 // Layout contract: lqe/kernels/repack_mma.py; CPU emulation: lqe/kernels/mma_ref.py.
+#include <atomic>
+
 #include "gemm_common.cuh"
 #include "w4a16_mma.h"
 
@@ -269,12 +271,21 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
   cp_wait<0>();
 }
 
+// The dynamic shared-memory opt-in is a per-device function attribute: set once per device and instantiation, not
+// on every launch (a decode step makes ~200 of them).
 template <typename T, int BITS, int MB>
 cudaError_t run(const MmaArgs& a, int grid, cudaStream_t st) {
   constexpr int smem = Smem<BITS, MB>::kTotal;
-  const cudaError_t e =
-      cudaFuncSetAttribute(w4a16_mma_kernel<T, BITS, MB>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  constexpr int kMaxDevices = 64;
+  static std::atomic<bool> opted_in[kMaxDevices];
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
+  if (dev >= kMaxDevices || !opted_in[dev].load(std::memory_order_acquire)) {
+    e = cudaFuncSetAttribute(w4a16_mma_kernel<T, BITS, MB>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+    if (dev < kMaxDevices) opted_in[dev].store(true, std::memory_order_release);
+  }
   w4a16_mma_kernel<T, BITS, MB><<<grid, kThreads, smem, st>>>(a);
   return cudaGetLastError();
 }

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from lqe.kernels.device_info import sm_count
-from lqe.kernels.triton_gemm_common import SplitKWorkspace, gemm_io
+from lqe.kernels.triton_gemm_common import SplitKWorkspace, gemm_io, nonempty_splits
 
 try:
     import triton
@@ -207,7 +207,7 @@ def fp8_mm(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: to
         stride_sam = stride_swn = 0
     grid_mn = math.ceil(m / cfg.block_m) * math.ceil(n / cfg.block_n)
     m_pad = math.ceil(m / cfg.block_m) * cfg.block_m
-    split_k = max(1, min(cfg.split_k, math.ceil(k / cfg.block_k), WS_ROWS // m_pad))
+    split_k = nonempty_splits(min(cfg.split_k, WS_ROWS // m_pad), k, cfg.block_k)
     split_k, ws, cnt = _WS.for_launch(xq.device, split_k, WS_ROWS * n, f"N={n}", grid_mn, sw)
     _fp8_mm_kernel[(grid_mn, split_k)](
         xq, w, out, sa, sw, bias if bias is not None else sw, ws, cnt, m, n, k, xq.stride(0), w.stride(0),

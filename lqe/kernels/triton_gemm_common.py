@@ -4,6 +4,7 @@ triton_gemv_w8a8.py), written once:
 * :func:`grouped_tile`: the grouped ("super-grouping") order of output tiles: ``GROUP_M`` row tiles sweep a column
   of tiles together so the weight tiles they share stay in L2;
 * :func:`split_k_range`: the K blocks ``[kb0, kb1)`` of split ``pid_k`` (``SPLIT_K`` even shares, the last ragged);
+  :func:`nonempty_splits` (host) trims ``SPLIT_K`` so that no split is left without a K block;
 * :func:`tile_offsets` / :func:`kmajor_ptrs` / :func:`load_ab`: a tile's row / column indices (out-of-range rows and
   columns re-read a valid one, stores are masked), the K-contiguous A ``[BLOCK_M, BLOCK_K]`` / B ``[BLOCK_K, BLOCK_N]``
   pointers and their loads (K-masked unless ``EVEN_K``);
@@ -30,6 +31,15 @@ try:
 except ImportError:  # pragma: no cover - triton is optional on CPU
     triton = None
     tl = None
+
+
+def nonempty_splits(split_k: int, k: int, block_k: int) -> int:
+    """The fewest splits with the same per-split share as ``split_k``: :func:`split_k_range` gives each split
+    ``ceil(k_blocks / split_k)`` blocks, so e.g. 56 K blocks over 9 splits fill 8 and leave the 9th empty (a program
+    that only zeroes, arrives and waits). Same work per program, no empty ones."""
+    k_blocks = max(1, -(-k // block_k))
+    split_k = max(1, min(split_k, k_blocks))
+    return -(-k_blocks // -(-k_blocks // split_k))
 
 
 class SplitKWorkspace(dict):
@@ -175,5 +185,6 @@ if triton is not None:
         """``y + bias[n]`` cast to the output dtype, stored where ``mask_m`` (rows) and ``mask_n`` (columns)."""
         if HAS_BIAS:
             y = y + tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], y.to(out_ptr.dtype.element_ty),
+        # int64 rows: M x N passes 2^31 at 37k tokens of a 57,344-wide gate_up (a long prefill chunk)
+        tl.store(out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :], y.to(out_ptr.dtype.element_ty),
                  mask=mask_m[:, None] & mask_n[None, :])

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from lqe.kernels.device_info import sm_count
-from lqe.kernels.triton_gemm_common import SplitKWorkspace, gemm_io, per_token_vec
+from lqe.kernels.triton_gemm_common import SplitKWorkspace, gemm_io, nonempty_splits, per_token_vec
 
 try:
     import triton
@@ -248,7 +248,7 @@ def gemv_w8a8(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale:
         raise ValueError(f"triton-gemv: M={m} exceeds {MAX_M}")
     if not cfg.use_dot and cfg.block_k > 1024:
         raise ValueError(f"triton-gemv: BLOCK_K={cfg.block_k} > 1024 breaks the exact fp32 block sums of int8")
-    split_k = max(1, min(cfg.split_k, math.ceil(k / cfg.block_k), WS_ROWS // bm))
+    split_k = nonempty_splits(min(cfg.split_k, WS_ROWS // bm), k, cfg.block_k)
     tiles = math.ceil(n / cfg.block_n)
     split_k, ws, cnt = _WS.for_launch(xq.device, split_k, WS_ROWS * n, f"N={n}", tiles, w_scale)
     _gemv_kernel[(tiles, split_k)](

@@ -26,7 +26,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from lqe.kernels.device_info import sm_count
-from lqe.kernels.triton_gemm_common import SplitKWorkspace, check_operands, gemm_io, per_token_vec
+from lqe.kernels.triton_gemm_common import (SplitKWorkspace, check_operands, gemm_io, nonempty_splits,
+                                            per_token_vec)
 
 try:
     import triton
@@ -207,7 +208,7 @@ if triton is not None:
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.load(c_ptr + rm[:, None] * stride_cm + rn[None, :], mask=(rm < M)[:, None] & (rn < N)[None, :],
+        acc = tl.load(c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :], mask=(rm < M)[:, None] & (rn < N)[None, :],
                       other=0)
         _epilogue(acc, rm, rn, M, N, out_ptr, stride_om, a_scale_ptr, a_scale_stride, w_scale_ptr,
                   azp_ptr, azp_stride, colsum_ptr, bias_ptr, HAS_AZP, HAS_BIAS)
@@ -239,7 +240,7 @@ def w8a8_mm(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: t
         cfg = asym_config(cfg)
     w_scale = w_scale.reshape(-1)
     grid_mn = math.ceil(m / cfg.block_m) * math.ceil(n / cfg.block_n)
-    split_k = min(cfg.split_k, math.ceil(k / cfg.block_k))
+    split_k = nonempty_splits(cfg.split_k, k, cfg.block_k)
     rows = math.ceil(m / cfg.block_m) * cfg.block_m
     split_k, ws, cnt = _WS.for_launch(xq.device, split_k, rows * n, f"{rows}x{n}", grid_mn, w_scale)
     _w8a8_mm_kernel[(grid_mn, split_k)](
