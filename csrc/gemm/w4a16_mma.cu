@@ -9,7 +9,8 @@
 //   fixed, and no block waits on one that still has a stripe to run. The piece at k = 0 adds the bias, rounds
 //   once, writes the output and resets the lock.
 // * Memory pipeline. kStages-deep cp.async ring: per stage the block copies one contiguous 8 KB (4-bit) or
-//   16 KB (8-bit) run of repacked weights with an L2 evict-first policy (read once), the 64-column slab of the
+//   16 KB (8-bit) run of repacked weights with an L2 evict-first policy (read once; evict-normal in all but the
+//   last 64-row problem of an M > 64 call, which re-read them), the 64-column slab of the
 //   activation rows (zero-filled past M and K) into XOR-swizzled shared memory, and the scale / zero-point rows
 //   of the groups the stage touches. A warp then takes its A fragments with ldmatrix.x4 (conflict-free: chunk
 //   c of row r lives at chunk c ^ (r & 7)) and its B words with one ld.shared.v4 per 16 x 64 tile.
@@ -48,6 +49,7 @@ struct MmaArgs {
   float* ws;
   int* locks;
   int M, N, K, k_tiles, n_tiles, n_pad, group_size, groups, per;
+  int last_rows;  // the last (or only) <= 64-row problem of the call: its weight reads may leave L2
 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -58,7 +60,12 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
   return pol;
 }
-__device__ __forceinline__ void cp16_evict_first(uint32_t dst, const void* src, uint64_t pol) {
+__device__ __forceinline__ uint64_t evict_normal_policy() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+__device__ __forceinline__ void cp16_l2_hint(uint32_t dst, const void* src, uint64_t pol) {
   asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "l"(pol));
 }
 __device__ __forceinline__ void cp16_zfill(uint32_t dst, const void* src, bool valid) {
@@ -99,7 +106,9 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
   const int stripe = (int)gridDim.x - 1 - (int)blockIdx.x;
   const int it0 = stripe * a.per, it1 = min(total, it0 + a.per);
   if (it0 >= it1) return;
-  const uint64_t pol = evict_first_policy();
+  // Weights are read once per problem: evict-first, except when a later 64-row problem of the same call
+  // (M > 64) reads them again; then a normal policy lets the layers that fit in L2 be re-read from there.
+  const uint64_t pol = a.last_rows ? evict_first_policy() : evict_normal_policy();
   const T* A = static_cast<const T*>(a.A);
   const T* S = static_cast<const T*>(a.S);
   const T* Z = static_cast<const T*>(a.Z);
@@ -114,7 +123,7 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
 #pragma unroll
     for (int i = 0; i < SM::kB / 16 / kThreads; ++i) {
       const int c = i * kThreads + tid;
-      cp16_evict_first(bdst + c * 16, src + c, pol);
+      cp16_l2_hint(bdst + c * 16, src + c, pol);
     }
     const uint32_t adst = bdst + SM::kB;
 #pragma unroll
@@ -381,7 +390,7 @@ const char* launch_w4a16_mma(DType dt, int bits, const void* x, const void* qwei
   for (int m0 = 0; m0 < M; m0 += rows) {  // each problem of <= 64 rows reuses ws / locks (stream order)
     MmaArgs a{static_cast<const char*>(x) + (size_t)m0 * K * esz, static_cast<const uint4*>(qweight), scales, zeros,
               bias, static_cast<char*>(out) + (size_t)m0 * N * esz, ws, locks, min(rows, M - m0), N, K,
-              k_tiles, n_tiles, n_pad, group_size, groups, per};
+              k_tiles, n_tiles, n_pad, group_size, groups, per, m0 + rows >= M};
     cudaError_t e;
     if (dt == DType::kHalf)
       e = bits == 4 ? run_rows<half, 4>(a, grid, mb_max, stream) : run_rows<half, 8>(a, grid, mb_max, stream);
