@@ -46,8 +46,7 @@ if [[ "${1:-}" == --* ]]; then  # a focused stage: benchmarks/stages/<name>.sh
 fi
 LQE_BUDGET_S=${LQE_BUDGET_S:-560} source benchmarks/stages/budget.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-OUTDIR="${OUT:-benchmarks/results}"; mkdir -p "$OUTDIR"
-LOGDIR="$OUTDIR/logs"; mkdir -p "$LOGDIR"
+out_and_logs  # budget.sh: results in $OUTDIR, logs in $LOGDIR (with $OUT: packed into $OUT/logs.tgz)
 declare -A stage_rc=([build]=1 [tests]=1 [kernels]=1 [e2e]=1 [calib]=1)
 
 if ! python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
@@ -66,6 +65,7 @@ timeout "$(budget "${LQE_BUILD_TIMEOUT:-300}")" python -c "import logging,sys;lo
   2>&1 | tee "$LOGDIR/build.log"
 stage_rc[build]=${PIPESTATUS[0]}
 BUILD_S=$(( $(date +%s) - t0 ))
+pack_logs
 
 # The whole run keeps inside LQE_BUDGET_S seconds (default 560 from the start: one device call is limited to 600 s,
 # and the summary JSON must still be written): each stage's timeout is cut to what is left (budget.sh), and a stage
@@ -81,18 +81,12 @@ if ! skip_stage tests; then
   # the test ids split into LQE_TEST_JOBS groups, run concurrently on the one GPU (the tests
   # are latency-bound and small; nothing in them is timed), each group writing its own JUnit XML
   rm -f "$LOGDIR"/gpu-tests-*.xml "$LOGDIR"/gpu-tests-*.fault
-  # test ids dealt round-robin over the groups, so the heavy parametrized files spread evenly
+  # test ids grouped by file (a module's fixtures, e.g. a model built once, are built in one process, not in every
+  # group), a file with more than its share of the tests cut into consecutive chunks, the chunks dealt largest first
+  # to the group with the fewest tests so far
   python -m pytest -m gpu ${LQE_TESTS:-tests/gpu} --collect-only -q -p no:cacheprovider 2>/dev/null \
     | grep "::" > "$LOGDIR/gpu-test-ids.txt"
-  mapfile -t groups < <(python - "$LOGDIR/gpu-test-ids.txt" <<'PY'
-import os, sys
-jobs = max(1, int(os.environ.get("LQE_TEST_JOBS", "6")))
-ids = [line.strip() for line in open(sys.argv[1]) if line.strip()]
-for g in range(jobs):
-    if ids[g::jobs]:
-        print(" ".join(ids[g::jobs]))
-PY
-)
+  mapfile -t groups < <(python - "$LOGDIR/gpu-test-ids.txt" "${LQE_TEST_JOBS:-6}" < benchmarks/stages/test_groups.py)
   pids=()
   for i in "${!groups[@]}"; do
     # SIGINT first: pytest stops as on Ctrl-C and still writes its JUnit XML (the summary then counts what ran)
@@ -108,6 +102,7 @@ PY
     [[ -f "$LOGDIR/gpu-tests-$i.fault" ]] && { echo "-- device faults (test, error):"; cat "$LOGDIR/gpu-tests-$i.fault"; }
     (( rc != 0 )) && stage_rc[tests]=$rc
   done
+  pack_logs
 fi
 
 echo "== [3/5] kernel benchmark"
@@ -115,6 +110,7 @@ if ! skip_stage kernels; then
   timeout "$(budget "${LQE_KERNELS_TIMEOUT:-220}")" python benchmarks/kernels.py --m ${LQE_KERNEL_MS:-1 4 16 64 256 1024} --out "$OUTDIR/kernels-$SLUG.json" 2>&1 \
     | tee "$LOGDIR/kernels.txt" | tail -60
   stage_rc[kernels]=${PIPESTATUS[0]}
+  pack_logs
 fi
 
 echo "== [4/5] end-to-end benchmark (--quick), then each row against the committed one (>= 0.95x: issue 27)"
@@ -137,6 +133,7 @@ if ! skip_stage calib; then
   timeout "$(budget "${LQE_CALIB_TIMEOUT:-300}")" python benchmarks/calibration_gpu.py --out "$OUTDIR/calibration-$SLUG.json" \
     ${LQE_CALIB_ARGS:---layers 4 --methods gptq-sym} 2>&1 | tee "$LOGDIR/calibration.txt" | grep "^\[\|^wrote" | tail -20
   stage_rc[calib]=${PIPESTATUS[0]}
+  pack_logs
 fi
 
 python - "$OUTDIR/gpu-$SLUG.json" "$LOGDIR" "$BUILD_S" "${stage_rc[build]}" "${stage_rc[tests]}" \

@@ -128,6 +128,23 @@ def _dry_run(tmp_path: Path, args: list[str], **env) -> tuple[subprocess.Complet
     return proc, calls, out
 
 
+def _packed_logs(out: Path) -> set[str]:
+    """The names of the files in $OUT/logs.tgz."""
+    import tarfile
+
+    with tarfile.open(out / "logs.tgz") as tar:
+        return {Path(m.name).name for m in tar.getmembers() if m.isfile()}
+
+
+def _assert_comes_back(out: Path) -> None:
+    """What a device call brings back of $OUT: at most 8 files, no more than 2 folders down, each named in
+    letters, digits, '.', '_' and '-' (/work/.library/device/README.md, Limits)."""
+    files = [p.relative_to(out) for p in out.rglob("*") if p.is_file()]
+    assert len(files) <= 8, f"{len(files)} files in $OUT, at most 8 come back: {sorted(map(str, files))}"
+    for f in files:
+        assert len(f.parts) <= 3 and all(re.fullmatch(r"[\w.-]+", part) for part in f.parts), f
+
+
 def _ran(calls: list[str], *words: str) -> bool:
     return any(all(w in c for w in words) for c in calls)
 
@@ -161,7 +178,8 @@ def test_stage_dry_run(tmp_path, stage):
         assert _ran(calls, *words), f"--{stage} never ran python {' '.join(words)}; calls:\n" + "\n".join(calls)
     for name in want_files:
         assert (out / name).is_file(), f"--{stage} did not write {name} in $OUT"
-    assert (out / "logs").is_dir()
+    _assert_comes_back(out)
+    assert _packed_logs(out), "the logs did not come back packed in $OUT/logs.tgz"
 
 
 def test_stage_dry_run_skips_named_steps(tmp_path):
@@ -183,6 +201,8 @@ def test_run_gpu_dry_run_writes_the_summary(tmp_path):
         assert _ran(calls, *words), words
     summary = json.loads((out / "gpu-stub-gpu.json").read_text())
     assert summary["device"] == "Stub GPU"
+    _assert_comes_back(out)
+    assert {"build.log", "gpu-test-ids.txt", "gpu-tests-0.xml"} <= _packed_logs(out)
     assert summary["tests"]["passed"] == 2 and summary["tests"]["failed"] == 0
     assert all(v == "ok" for v in summary["stages"].values()), summary["stages"]
 
@@ -233,7 +253,7 @@ def test_run_gpu_goes_on_after_a_device_fault(tmp_path):
     assert [f.split("\t")[0] for f in summary["tests"]["device_faults"]] == ["tests/gpu/test_stub.py::test_a"]
     runs = [c for c in calls if c.startswith("-m pytest") and "--collect-only" not in c]
     assert len(runs) == 2 and "test_a" not in runs[1] and "test_b" in runs[1] and "test_c" in runs[1], runs
-    assert (out / "logs" / "gpu-tests-0.r1.xml").is_file()
+    assert "gpu-tests-0.r1.xml" in _packed_logs(out)
     assert "CUDA CONTEXT LOST" in proc.stdout
 
 
@@ -299,3 +319,29 @@ def test_run_gpu_second_call_finds_the_first_calls_file_in_the_tree(tmp_path):
                             LQE_PREV_RESULTS=str(tree))
     other = json.loads((out / "gpu-stub-gpu.json").read_text())
     assert other["stages"]["tests"] == "skipped" and proc.returncode == 0
+
+
+def test_gpu_test_groups_keep_files_together_and_balance_cost():
+    """The gate's test groups (benchmarks/stages/test_groups.py): a file's tests stay in one group unless the file
+    costs more than a group's share (then consecutive chunks), model/engine tests weigh more, loads are balanced,
+    and every id is run exactly once."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks" / "stages"))
+    from test_groups import HEAVY_COST, cost, test_groups
+
+    ids = ([f"tests/gpu/test_gemm_a.py::t[{i}]" for i in range(300)] + [f"tests/gpu/test_b.py::t{i}" for i in range(40)]
+           + [f"tests/gpu/test_model_x.py::t{i}" for i in range(30)] + ["tests/gpu/test_c.py::t"])
+    groups = test_groups(ids, 4)
+    assert sorted(sum(groups, [])) == sorted(ids)
+    where = {f: {i for i, g in enumerate(groups) for t in g if t.startswith(f)} for f in
+             ("tests/gpu/test_b.py", "tests/gpu/test_model_x.py", "tests/gpu/test_c.py")}
+    assert len(where["tests/gpu/test_b.py"]) == 1 and len(where["tests/gpu/test_c.py"]) == 1, where
+    assert len(where["tests/gpu/test_model_x.py"]) == 2  # 30 x 8 over a share of 146: two chunks
+    for name in ("test_gemm_a", "test_model_x"):  # files over their share: consecutive chunks
+        for chunk in filter(None, ([t for t in g if name in t] for g in groups)):
+            first = ids.index(chunk[0])
+            assert chunk == ids[first:first + len(chunk)]
+    assert cost(ids[-2]) == HEAVY_COST and cost(ids[0]) == 1
+    loads = [sum(map(cost, g)) for g in groups]
+    assert max(loads) - min(loads) <= max(map(cost, ids)) * 30, loads

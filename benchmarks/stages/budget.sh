@@ -11,6 +11,24 @@ skip() {
   if (( T_END - $(date +%s) < 30 )); then echo "-- $1: skipped (time budget LQE_BUDGET_S)"; return 0; fi
   return 1
 }
+# out_and_logs: OUTDIR (results: $OUT, or benchmarks/results without one) and LOGDIR (logs, JUnit XML, records).
+# A device call brings back at most 8 files of $OUT, no more than 2 folders down (/work/.library/device/README.md):
+# with $OUT set the logs live outside it and come back packed as the one file $OUT/logs.tgz (pack_logs, after every
+# step and at exit, so a call cut short still brings back what it logged), and $OUT holds only a few result JSONs.
+out_and_logs() {
+  OUTDIR="${OUT:-benchmarks/results}"; mkdir -p "$OUTDIR"
+  if [[ -n "${OUT:-}" ]]; then
+    LOGDIR="${LQE_LOGDIR:-$(mktemp -d "${TMPDIR:-/tmp}/lqe-gpu-logs.XXXXXX")}"
+    trap pack_logs EXIT
+  else
+    LOGDIR="$OUTDIR/logs"
+  fi
+  mkdir -p "$LOGDIR"
+}
+pack_logs() {  # $LOGDIR -> $OUT/logs.tgz (written beside, then moved in: never half a file in $OUT)
+  [[ -n "${OUT:-}" && -d "${LOGDIR:-}" && "$LOGDIR" != "$OUTDIR"/* ]] || return 0
+  tar czf "$LOGDIR.tgz" -C "$LOGDIR" . 2>/dev/null && mv -f "$LOGDIR.tgz" "$OUTDIR/logs.tgz"
+}
 # gpu_pytest NAME WANT ARGS...: `python -m pytest -m gpu ARGS`, cut at WANT seconds or what is left of the budget
 # (SIGINT first: pytest still writes its JUnit XML), output in $LOGDIR/NAME.txt, JUnit XML in $LOGDIR/NAME.xml.
 # A kernel that faults on the device loses the process's CUDA context and would fail every test after it:

@@ -8,8 +8,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 source benchmarks/stages/budget.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-OUTDIR="${OUT:-benchmarks/results}"; mkdir -p "$OUTDIR"
-LOGDIR="$OUTDIR/logs"; mkdir -p "$LOGDIR"
+out_and_logs  # budget.sh: results in $OUTDIR, logs in $LOGDIR (packed into $OUT/logs.tgz)
 if ! python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "stage: no CUDA GPU visible (torch.cuda.is_available() is False); nothing was run." >&2
   exit 2
@@ -24,12 +23,14 @@ t0=$(date +%s)
 timeout "$(budget "${LQE_BUILD_TIMEOUT:-300}")" python -c "import logging,sys;logging.basicConfig(level=logging.INFO);import lqe.kernels as k;ok=k.available();print('lqe kernels available:',ok,k.unavailable_reason() or '');sys.exit(0 if ok else 1)" \
   2>&1 | tee "$LOGDIR/build.log" | tail -20
 BUILD_RC=${PIPESTATUS[0]}
+pack_logs
 echo "build: exit $BUILD_RC in $(( $(date +%s) - t0 )) s"
 
 run_tests() {  # run_tests NAME pytest-args...: gpu-marked tests (budget.sh's gpu_pytest: a device fault costs only its
   local name=$1; shift  # test), summary line, JUnit XML in $LOGDIR/NAME.xml (and NAME.r1.xml, ... after a fault)
   gpu_pytest "$name" "${LQE_TEST_TIMEOUT:-300}" "$@"
   local rc=$?
+  pack_logs
   echo "-- tests $name: exit $rc"; tail -25 "$LOGDIR/$name.txt"
   [[ -f "$LOGDIR/$name.fault" ]] && { echo "-- device faults (test, error):"; cat "$LOGDIR/$name.fault"; }
   return $rc

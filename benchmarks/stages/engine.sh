@@ -34,6 +34,19 @@
 # The first call: LQE_SKIP=e2e8b bash benchmarks/run_gpu.sh --engine; then the two 8B calls above.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 rc=0
+# `lqe serve` needs fastapi / uvicorn / pydantic, which the device image lacks: they travel as wheels in .whl
+# (benchmarks/device_wheels.sh, then carry [".whl"]) and are installed into a folder of their own here.
+serving_deps() {
+  python -c "import fastapi, uvicorn, pydantic" 2>/dev/null && return 0
+  if compgen -G ".whl/*.whl" > /dev/null; then
+    local site="${TMPDIR:-/tmp}/lqe-serve-site"
+    python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
+      && export PYTHONPATH="$site:$PYTHONPATH" && python -c "import fastapi, uvicorn, pydantic" && return 0
+  fi
+  echo "-- serving: not run: fastapi / uvicorn / pydantic are missing here. Run bash benchmarks/device_wheels.sh" \
+    "before the call and name \".whl\" in its carry."
+  return 1
+}
 if ! skip tests; then run_tests engine tests/gpu/test_cuda_graphs.py tests/gpu/test_piecewise_gpu.py || rc=1; fi
 if ! skip host; then
   for run in smollm2-135m:32 qwen2.5-0.5b:32 qwen2.5-0.5b:255; do  # shape:decodes (255: one 256-row mixed step)
@@ -43,10 +56,12 @@ if ! skip host; then
     timeout "$(budget 150)" python benchmarks/step_host_time.py --device cuda --shape "$shape" --decodes "$decodes" \
       --label "$label" --paths eager,piecewise --out "$OUTDIR/step-host-time-$SLUG.json" | tail -2 || rc=1
   done
+  pack_logs
 fi
 if ! skip prefill; then
   run_tests prefill-tiles tests/gpu/test_triton_attention.py -k "mixed_step or tiled_grid or tile_counts" || rc=1
   timeout "$(budget 120)" python benchmarks/prefill_attention.py --out "$OUTDIR/prefill-attention-$SLUG.json" || rc=1
+  pack_logs
 fi
 if ! skip e2e; then
   for mode in FULL_DECODE_ONLY FULL_AND_PIECEWISE; do
@@ -54,7 +69,8 @@ if ! skip e2e; then
       --variants bf16,w4a16 --no-eager --num-requests 256 --cudagraph-mode $mode --out-dir "$OUTDIR" || rc=1
   done
 fi
-if ! skip serving; then  # TTFT / TPOT p50 / p99 through `lqe serve` (the qwen2.5-0.5b checkpoint of step "e2e")
+if ! skip serving && { serving_deps || { rc=1; false; }; }; then
+  # TTFT / TPOT p50 / p99 through `lqe serve` (the qwen2.5-0.5b checkpoint of step "e2e")
   model=$(python -c "import os, sys, tempfile; from pathlib import Path; sys.path.insert(0, 'benchmarks'); import e2e_gpu
 w = Path(os.environ.get('LQE_BENCH_DIR', Path(tempfile.gettempdir()) / 'lqe-e2e-models'))
 print(e2e_gpu.build_random_model('qwen2.5-0.5b', w / 'qwen2.5-0.5b' / 'bf16', 0))" | tail -1)
@@ -70,6 +86,7 @@ print(e2e_gpu.build_random_model('qwen2.5-0.5b', w / 'qwen2.5-0.5b' / 'bf16', 0)
       --input-len 512 --output-len 128 --max-token-id 150000 --out "$OUTDIR/$name-rate-$rate.json" \
       ${server[@]+"${server[@]}"} > "$LOGDIR/$name-rate-$rate.log" 2>&1 || rc=1  # serving.py's status, not a grep's
     grep -A8 "^== serving" "$LOGDIR/$name-rate-$rate.log"
+    pack_logs
   done
 fi
 if ! skip e2e8b; then

@@ -5,10 +5,12 @@
 #      split-K decode / mixed batches vs the reference, scales read at replay time by a CUDA graph), and the bf16
 #      attention tests beside them, and the engine with an fp8 cache (tests/gpu/test_kv_cache_fp8_engine.py: graphs
 #      and piecewise graphs give the eager tokens, prefix caching, preemption, the block count) (~1-2 min),
-#   3. decode at 4k-token contexts, batch 64, on the llama3-8b shape (random bf16 weights, written once into
-#      $LQE_CACHE_DIR/lqe-bench-models): bf16, fp8 KV (keys rotated, the default) and fp8-plain (no rotation: its
-#      cost) in the same run, tok/s with the byte floor, and the allocator's blocks / concurrent sequences at
-#      gpu_memory_utilization 0.9 -> $OUTDIR/kvcache-$SLUG.json (~5 min; LQE_KV_ARGS="--variants auto,fp8" ~4).
+#   3. decode at 4k-token contexts, batch 64, on the llama3-8b shape (random bf16 weights: e2e_gpu.py's checkpoint,
+#      $LQE_BENCH_DIR/llama3-8b/bf16, built once and shared): bf16, fp8 KV (keys rotated, the default) and fp8-plain
+#      (no rotation: its cost) in the same run; every request prefilled first, then 64 engine steps timed with exactly
+#      64 sequences decoding: tok/s beside the byte floor at the device's bandwidth; the allocator's blocks /
+#      concurrent sequences at gpu_memory_utilization 0.9 -> $OUTDIR/kvcache-$SLUG.json, written after each variant
+#      (~5 min with the checkpoint built; LQE_KV_ARGS="--variants auto,fp8" ~4).
 # Time limits (s): LQE_TEST_TIMEOUT (150), LQE_KV_TIMEOUT (420), cut to the stage budget LQE_BUDGET_S (570).
 # LQE_SKIP="tests bench" skips steps.
 # LQE_KV_ARGS replaces the benchmark's arguments (e.g. "--shape smollm2-135m" for a quick check).
@@ -27,6 +29,7 @@ if ! skip bench; then
     2>&1 | tee "$LOGDIR/kvcache.log" | grep -v "^\[lqe"
   brc=${PIPESTATUS[0]}
   [[ $brc -eq 0 ]] || { echo "kv_cache_gpu: exit $brc (log: $LOGDIR/kvcache.log)"; rc=1; }
+  pack_logs
 fi
 echo "kvcache stage: exit $rc"
 exit $rc

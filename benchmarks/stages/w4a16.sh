@@ -27,6 +27,7 @@ if [[ $BUILD_RC -eq 0 ]]; then
       --m ${LQE_KERNEL_MS:-1 2 4 8 16 32 64 128 256 1024} --out "$OUTDIR/kernels-w4a16-$SLUG.json" 2>&1 \
       | tee "$LOGDIR/kernels-w4a16.txt" | grep -v "^lqe-\|^cublas\|^torch\|^triton" | tail -40
     rc_sweep=${PIPESTATUS[0]}
+    pack_logs
   fi
   if ! skip e2e; then
     echo "== e2e llama3-8b: ${LQE_W4A16_VARIANTS:=bf16,w4a16,w4a16-mma,w4a16-swap}"
@@ -35,6 +36,7 @@ if [[ $BUILD_RC -eq 0 ]]; then
       > "$LOGDIR/w4a16-e2e.log" 2>&1
     rc_e2e=$?
     grep -E "^\[" "$LOGDIR/w4a16-e2e.log"
+    pack_logs
   fi
 fi
 python - "$OUTDIR/w4a16-stage-$SLUG.json" "$BUILD_RC" "$rc_tests" "$rc_sweep" "$rc_e2e" "$(( $(date +%s) - t0 ))" <<'PY'

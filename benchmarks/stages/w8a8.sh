@@ -42,6 +42,7 @@ if ! skip kernels; then
   grep -E "^# |^(cublas-bf16|w8a8-table\+quant|lqe-w8a8-layer|lqe-fp8-layer|lqe-fp8-block-layer|triton-gemv|triton-gemv-fp8|triton-fp8|lqe-fp8/torch-scaled-mm) " \
     "$LOGDIR/w8a8-kernels.log"
   [[ $krc -eq 0 ]] || { echo "kernels: exit $krc (log: $LOGDIR/w8a8-kernels.log)"; rc=1; }
+  pack_logs
 fi
 
 if [[ "${LQE_W8A8_SWEEP:-0}" == 1 ]] && ! skip sweep; then
@@ -51,6 +52,7 @@ if [[ "${LQE_W8A8_SWEEP:-0}" == 1 ]] && ! skip sweep; then
   src=$?
   grep -E "^# |^[A-Z_0-9]+ = \[|^    \(|^\]" "$LOGDIR/w8a8-sweep.log" | tail -60
   [[ $src -eq 0 ]] || { echo "sweep: exit $src"; rc=1; }
+  pack_logs
 fi
 
 if [[ "${LQE_FP8_SWEEP:-0}" == 1 ]] && ! skip sweep; then
@@ -60,6 +62,7 @@ if [[ "${LQE_FP8_SWEEP:-0}" == 1 ]] && ! skip sweep; then
   frc=$?
   grep -E "^# |^[A-Z_0-9]+ = \[|^    \(|^\]" "$LOGDIR/fp8-sweep.log" | tail -60
   [[ $frc -eq 0 ]] || { echo "fp8 sweep: exit $frc"; rc=1; }
+  pack_logs
 fi
 
 if ! skip e2e; then
@@ -69,5 +72,6 @@ if ! skip e2e; then
   erc=$?
   grep -E "^\[" "$LOGDIR/w8a8-e2e.log"
   [[ $erc -eq 0 ]] || { echo "e2e: exit $erc (log: $LOGDIR/w8a8-e2e.log)"; rc=1; }
+  pack_logs
 fi
 exit $rc
