@@ -34,6 +34,15 @@ def test_budget_precedence():
     assert s.blocks_per_request(17) == 2 and s.blocks_per_request(16) == 1
 
 
+def test_slot_numbers_stay_int32():
+    """Slots (block x block_size + offset) are int32 in the step buffers: a budget of more than 2^31 tokens (a tiny
+    model on a large GPU) is cut to what int32 addresses."""
+    s = spec(E4M3, layers=1, heads=1, d=16, block=16)
+    cfg = EngineConfig(model="m", kv_cache_memory_bytes=(2**31 + 10 * 16) // 16 * s.bytes_per_block())
+    n = s.num_blocks(cfg, CPU, 16)
+    assert n == (2**31 - 1) // 16 and n * 16 < 2**31
+
+
 def test_too_small_names_the_request_and_the_knobs():
     s = spec()
     cfg = EngineConfig(model="m", kv_cache_memory_bytes=3 * s.bytes_per_block())

@@ -31,6 +31,8 @@ SCRIPT = """
     A.check_attention([(1, 130), (33, 20), (1, 1), (4, 0)], 8, 2, 64, bf16, "cpu", block_size=8)
     # MQA, head dim 128 (the kernels' main configuration), one token per block
     A.check_attention([(1, 40), (9, 9)], 4, 1, 128, f16, "cpu", block_size=1, num_splits=2)
+    # a float32 model at head dim 128: its own smaller key tiles (16 keys in prefill and decode: no spills)
+    A.check_attention([(1, 70), (21, 30), (1, 5)], 4, 2, 128, f32, "cpu", num_splits=2)
 
     for dt in (f32, f16, bf16):
         F.check_rms_norm(5, 576, dt, "cpu", residual=True)

@@ -65,6 +65,11 @@ class KVCacheSpec:
             elif not budget:
                 budget = DEFAULT_CPU_KV_BYTES
             num_blocks = max(0, (budget - self.fixed_bytes()) // per_block)
+        # slots (block * block_size + offset) travel as int32 in the step buffers and the kernels: at most 2^31
+        limit = (2**31 - 1) // self.block_size
+        if num_blocks > limit:
+            logger.info("KV cache: %d blocks fit the budget; %d used (int32 slot numbers)", num_blocks, limit)
+            num_blocks = limit
         num_blocks = tp_min_int(num_blocks)  # identity with one rank
         needed = self.blocks_per_request(max_model_len)
         if num_blocks < needed:

@@ -208,12 +208,16 @@ def _decode_reduce_kernel(Out, PartOut, PartLse, QueryStart, stride_ot, stride_o
 
 
 # --------------------------------------------------------------------------------------------- host side
-def _blocks(head_dim: int) -> tuple[int, int, int]:
+def _blocks(head_dim: int, fp32: bool = False) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for prefill: no register spills on sm_90 (ptxas -v, every PACK, 16-bit and
     fp8 KV; tests/test_prefill_tiles.py). At head dim 128 four warps spill (~500 bytes), eight fit in ~190
     registers; head dim 256 needs the smaller tile. A head dim padded to 128 (80, 96) takes 32-key tiles: at 64 keys
-    a 3-head GQA pack spills 44 bytes with Triton 3.6 (the GPU machine's; 3.9 fits it)."""
+    a 3-head GQA pack spills 44 bytes with Triton 3.6 (the GPU machine's; 3.9 fits it). A float32 model's tiles
+    take twice the registers: 32 keys at head dim 64 (64 spill 2 KB), 16 up to 128 (32 spill 1 KB); the same
+    64-token tiles, so GQA packing is unchanged (tests/test_hopper_launches.py, Triton 3.6 and 3.9)."""
     bd = triton.next_power_of_2(head_dim)
+    if fp32:
+        return (64, 32, 8) if bd <= 64 else (64, 16, 8) if bd <= 128 else (32, 16, 8)
     if bd <= 64:
         return 64, 64, 4
     if bd <= 128:
@@ -262,7 +266,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     has_decode = decode_only or step_plan(meta).has_decode
 
     if not decode_only:
-        block_m, block_n, warps = _blocks(head_dim)
+        block_m, block_n, warps = _blocks(head_dim, query.dtype == torch.float32)
         pack = _pack(group, block_m) if pack_gqa is None else (group if pack_gqa else 1)
         if block_m // pack < 1:
             raise ValueError(f"pack_gqa=True needs a GQA group <= {block_m} (BLOCK_M); got {group}")
@@ -287,6 +291,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     splits = num_splits or meta.num_splits or choose_num_splits(b, num_kv_heads, meta.max_seq_len, query.device)
     block_h = max(16, triton.next_power_of_2(group))
     block_n = 64 if block_d <= 128 else 32
+    if query.dtype == torch.float32 and block_d > 64:  # a float32 model: 64 keys x 128 dims spill ~800 bytes,
+        block_n = 16  # 32 keys ~500
     if splits > 1:
         # PartLse shares PartOut's index (without the D axis): lse index = PartOut offset // BLOCK_D
         part_out = torch.empty(b, num_heads, splits, block_d, dtype=torch.float32, device=query.device)

@@ -25,10 +25,11 @@ def _store_kv_kernel(K, V, KV, Slots, KScale, VScale, stride_kt, stride_kh, stri
     k = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     dst = KV + slot * stride_slot + offs_h[:, None] * stride_ch + offs_d[None, :]
-    if QUANT:  # saturating: out-of-range values land on +-FP8_MAX, never on inf / NaN; correctly rounded division
-        # (a plain "/" is div.full on NVIDIA, up to 2 ulps off torch's IEEE quotient: another fp8 code near a tie)
-        k = tl.minimum(tl.maximum(tl.div_rn(k.to(tl.float32), tl.load(KScale)), -FP8_MAX), FP8_MAX)
-        v = tl.minimum(tl.maximum(tl.div_rn(v.to(tl.float32), tl.load(VScale)), -FP8_MAX), FP8_MAX)
+    if QUANT:  # saturating: out-of-range values land on +-FP8_MAX, never on inf; correctly rounded division
+        # (a plain "/" is div.full on NVIDIA, up to 2 ulps off torch's IEEE quotient: another fp8 code near a tie).
+        # A NaN stays NaN, as in torch's reference (plain min / max on the GPU would turn it into -FP8_MAX).
+        k = tl.clamp(tl.div_rn(k.to(tl.float32), tl.load(KScale)), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        v = tl.clamp(tl.div_rn(v.to(tl.float32), tl.load(VScale)), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     tl.store(dst, k.to(KV.dtype.element_ty), mask=mask)
     tl.store(dst + stride_kv, v.to(KV.dtype.element_ty), mask=mask)
 

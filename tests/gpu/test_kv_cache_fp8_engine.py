@@ -69,8 +69,15 @@ def test_fp8_graphs_equal_eager(dirs, case):
         assert g["paths"]["piecewise"] > 0 and g["paths"]["decode_graph"] > 0, g["paths"]
     assert g["kv_dtype"] == e["kv_dtype"] == torch.float8_e4m3fn and g["backend"] in ("triton", "flash_attn")
     assert g["scales"] == e["scales"] and all(k != 1.0 and v != 1.0 for k, v in g["scales"])
-    for i, (a, b) in enumerate(zip(e_alone, g_alone)):
-        assert list(a.token_ids) == list(b.token_ids), f"request {i} alone: graphs {b.token_ids} != eager {a.token_ids}"
+    if case.endswith("piecewise"):
+        # piecewise graphs run a prefill's GEMMs at the token bucket (M padded), eager at its length: bf16 GEMM tiles
+        # differ, so a near tie may flip (as in test_piecewise_gpu); the first request's prefill is eager in both
+        assert list(e_alone[0].token_ids) == list(g_alone[0].token_ids)
+        check_same_greedy(e_alone, g_alone, 0.15, 0.25)
+    else:
+        for i, (a, b) in enumerate(zip(e_alone, g_alone)):
+            assert list(a.token_ids) == list(b.token_ids), \
+                f"request {i} alone: graphs {b.token_ids} != eager {a.token_ids}"
     counts = check_same_greedy(e_batched, g_batched, 0.15, 0.25)
     assert counts["exact"] >= len(e_batched) // 2, counts
     assert g["preemptions"] > 0 and g["hits"] > 0

@@ -93,3 +93,28 @@ def test_fp8_scales_are_read_at_run_time():
         graph.replay()
         expected = ref.paged_attention_ref(query, cache8, meta, 0.1, k_scale, v_scale)
         torch.testing.assert_close(out.float(), expected.float(), atol=4e-2, rtol=4e-2)
+
+
+@pytest.mark.parametrize("kv_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_fp8_store_keeps_nan_and_saturates_inf(kv_dtype):
+    """A NaN key stays NaN in the cache, as in the reference (plain min / max on the GPU return the non-NaN operand:
+    the interpreter cannot show it); +-inf saturate to +-max. Every other byte is the reference's (NaN codes may
+    differ in sign or payload)."""
+    from lqe.kernels import triton_attention as ta
+
+    t, kvh, d = 4, 2, 64
+    key = torch.randn(t, kvh, d, device="cuda", dtype=torch.bfloat16)
+    value = torch.randn(t, kvh, d, device="cuda", dtype=torch.bfloat16)
+    key[1, 0, 3], key[2, 1, 5], value[0, 0, 0] = float("nan"), float("inf"), -float("inf")
+    cache = torch.zeros(2, 2, 16, kvh, d, device="cuda", dtype=kv_dtype)
+    cache_ref = cache.clone()
+    scales = torch.tensor([0.5], device="cuda"), torch.tensor([1.0], device="cuda")
+    slots = torch.arange(t, device="cuda")
+    ref.store_kv(key, value, cache_ref, slots, *scales)
+    ta.store_kv(key, value, cache, slots, *scales)
+    k = cache[0].reshape(-1, kvh, d)[:t].float()
+    assert torch.isnan(k[1, 0, 3]) and torch.isnan(cache_ref[0].reshape(-1, kvh, d)[1, 0, 3].float())
+    assert k[2, 1, 5] == torch.finfo(kv_dtype).max and cache[1].reshape(-1, kvh, d)[0, 0, 0].float() == -torch.finfo(kv_dtype).max
+    nan = torch.isnan(cache_ref.float())
+    assert torch.equal(torch.isnan(cache.float()), nan)
+    assert torch.equal(cache.view(torch.uint8)[~nan], cache_ref.view(torch.uint8)[~nan])
