@@ -153,7 +153,7 @@ def _ran(calls: list[str], *words: str) -> bool:
 DRY_RUNS = {
     "w4a16": ("", [("-m pytest", "tests/gpu/test_gemm_w4a16_mma.py", "tests/gpu/test_w4a16_mma_models.py"),
                    ("benchmarks/kernels.py", "--w4a16", "kernels-w4a16-stub-gpu.json"),
-                   ("benchmarks/e2e_gpu.py", "--variants bf16,w4a16,w4a16-mma,w4a16-swap")],
+                   ("benchmarks/e2e_gpu.py", "--variants bf16,w4a16 ")],
               ["w4a16-stage-stub-gpu.json"]),
     "w8a8": ("", [("-m pytest", "tests/gpu/test_fused_act_quant.py"), ("-m pytest", "tests/gpu/test_model_matrix.py"),
                   ("benchmarks/kernels.py", "--rows w8a8,fp8", "kernels-stub-gpu.json"),

@@ -11,7 +11,7 @@
 #      64 sequences decoding: tok/s beside the byte floor at the device's bandwidth; the allocator's blocks /
 #      concurrent sequences at gpu_memory_utilization 0.9 -> $OUTDIR/kvcache-$SLUG.json, written after each variant
 #      (~5 min with the checkpoint built; LQE_KV_ARGS="--variants auto,fp8" ~4).
-# Time limits (s): LQE_TEST_TIMEOUT (150), LQE_KV_TIMEOUT (420), cut to the stage budget LQE_BUDGET_S (570).
+# Time limits (s): LQE_TEST_TIMEOUT (150), LQE_KV_TIMEOUT (560: the last step), cut to the stage budget LQE_BUDGET_S (570).
 # LQE_SKIP="tests bench" skips steps.
 # LQE_KV_ARGS replaces the benchmark's arguments (e.g. "--shape smollm2-135m" for a quick check).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -25,7 +25,7 @@ fi
 if ! skip bench; then
   echo "== fp8 vs bf16 KV cache: decode at 4k contexts x 64, capacity"
   # shellcheck disable=SC2086
-  timeout "$(budget "${LQE_KV_TIMEOUT:-420}")" python benchmarks/kv_cache_gpu.py ${LQE_KV_ARGS:-} --out "$OUTDIR/kvcache-$SLUG.json" \
+  timeout "$(budget "${LQE_KV_TIMEOUT:-560}")" python benchmarks/kv_cache_gpu.py ${LQE_KV_ARGS:-} --out "$OUTDIR/kvcache-$SLUG.json" \
     2>&1 | tee "$LOGDIR/kvcache.log" | grep -v "^\[lqe"
   brc=${PIPESTATUS[0]}
   [[ $brc -eq 0 ]] || { echo "kv_cache_gpu: exit $brc (log: $LOGDIR/kvcache.log)"; rc=1; }

@@ -7,12 +7,14 @@
 #      cuBLAS beside the layer path lqe-w4a16, torch int4pack, triton-wna16, triton-wna16-swap, dequant + cuBLAS and cuBLAS bf16,
 #      with bytes floors; it prints the WNA16_MMA_TABLE the measurement implies -> $OUTDIR/kernels-w4a16-<gpu>.json
 #      (kept apart from kernels-<gpu>.json, which the W8A8 stage and run_gpu.sh write; rows saved shape by shape),
-#   4. e2e: the llama3-8b shape, bf16 / w4a16 (dispatch.WNA16_TABLE) / w4a16-mma and w4a16-swap (the same
-#      checkpoint on dispatch.WNA16_MMA_TABLE / WNA16_SWAP_TABLE; LQE_W4A16_VARIANTS narrows them), same run, no eager columns, LQE_W4A16_REQUESTS (default 64) requests
-#      -> $OUTDIR/e2e-<gpu>.json. It rarely fits after steps 2-3 in one call: run it alone with
+#   4. e2e: the llama3-8b shape, bf16 and w4a16 (dispatch.WNA16_TABLE: set it from step 3's implied table first)
+#      in the same run, no eager columns, LQE_W4A16_REQUESTS (default 32) requests -> $OUTDIR/e2e-<gpu>.json, rows
+#      saved variant by variant. LQE_W4A16_VARIANTS adds w4a16-mma / w4a16-swap (the same checkpoint on
+#      dispatch.WNA16_MMA_TABLE / WNA16_SWAP_TABLE; each ~1 min more). A 16 GB checkpoint is built first on a fresh
+#      machine, so this is a call of its own (the last step: its limit is what is left of the budget):
 #      LQE_SKIP="tests sweep" bash benchmarks/run_gpu.sh --w4a16
 # then $OUTDIR/w4a16-stage-<gpu>.json (exit codes, seconds). Time limits (s): LQE_TEST_TIMEOUT (240),
-# LQE_KERNELS_TIMEOUT (280), LQE_E2E_TIMEOUT (400), all cut to the stage budget LQE_BUDGET_S (570).
+# LQE_KERNELS_TIMEOUT (280), LQE_E2E_TIMEOUT (560), all cut to the stage budget LQE_BUDGET_S (570).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 t0=$(date +%s)
 rc_tests=-1; rc_sweep=-1; rc_e2e=-1
@@ -30,9 +32,9 @@ if [[ $BUILD_RC -eq 0 ]]; then
     pack_logs
   fi
   if ! skip e2e; then
-    echo "== e2e llama3-8b: ${LQE_W4A16_VARIANTS:=bf16,w4a16,w4a16-mma,w4a16-swap}"
-    timeout "$(budget "${LQE_E2E_TIMEOUT:-400}")" python benchmarks/e2e_gpu.py --shapes llama3-8b \
-      --variants "$LQE_W4A16_VARIANTS" --num-requests "${LQE_W4A16_REQUESTS:-64}" --no-eager --out-dir "$OUTDIR" \
+    echo "== e2e llama3-8b: ${LQE_W4A16_VARIANTS:=bf16,w4a16}"
+    timeout "$(budget "${LQE_E2E_TIMEOUT:-560}")" python benchmarks/e2e_gpu.py --shapes llama3-8b \
+      --variants "$LQE_W4A16_VARIANTS" --num-requests "${LQE_W4A16_REQUESTS:-32}" --no-eager --out-dir "$OUTDIR" \
       > "$LOGDIR/w4a16-e2e.log" 2>&1
     rc_e2e=$?
     grep -E "^\[" "$LOGDIR/w4a16-e2e.log"

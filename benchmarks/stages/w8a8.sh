@@ -16,9 +16,9 @@
 #      triton_gemv_w8a8 FP8_CONFIGS, FP8_TABLE) -> $OUTDIR/kernels-fp8-sweep-$SLUG.json,
 #   6. the end-to-end rows on the llama3-8b shape, same run: bf16, w8a8-online (int8 per-channel weights, dynamic
 #      per-token activations, quantized on load: the `w8a8` scheme without a 16 GB conversion) and fp8 (dynamic,
-#      quantized on load), no eager columns -> $OUTDIR/e2e-$SLUG.json (~3 min).
+#      quantized on load), no eager columns, LQE_W8A8_REQUESTS (32) requests -> $OUTDIR/e2e-$SLUG.json (~3 min).
 # Time limits (s): LQE_TEST_TIMEOUT (200), LQE_MODEL_TEST_TIMEOUT (150), LQE_KERNELS_TIMEOUT (150), LQE_SWEEP_TIMEOUT
-# (150, each sweep), LQE_E2E_TIMEOUT (240), each cut to what is left of the stage budget LQE_BUDGET_S (570 s; a step
+# (150, each sweep), LQE_E2E_TIMEOUT (560: the last step), each cut to what is left of the stage budget LQE_BUDGET_S (570 s; a step
 # with under 30 s left is skipped, and kernels.py saves its rows and tables shape by shape, so a cut step keeps what
 # it measured). The steps add up to more than one device call: run the tests and kernels in one
 # (LQE_SKIP=e2e) and the e2e in another (LQE_SKIP="tests kernels"), sweeps likewise alone.
@@ -67,8 +67,8 @@ fi
 
 if ! skip e2e; then
   echo "== e2e llama3-8b: bf16, w8a8-online, fp8"
-  timeout "$(budget "${LQE_E2E_TIMEOUT:-240}")" python benchmarks/e2e_gpu.py --shapes llama3-8b --variants bf16,w8a8-online,fp8 \
-    --num-requests 128 --no-eager --out-dir "$OUTDIR" > "$LOGDIR/w8a8-e2e.log" 2>&1
+  timeout "$(budget "${LQE_E2E_TIMEOUT:-560}")" python benchmarks/e2e_gpu.py --shapes llama3-8b --variants bf16,w8a8-online,fp8 \
+    --num-requests "${LQE_W8A8_REQUESTS:-32}" --no-eager --out-dir "$OUTDIR" > "$LOGDIR/w8a8-e2e.log" 2>&1
   erc=$?
   grep -E "^\[" "$LOGDIR/w8a8-e2e.log"
   [[ $erc -eq 0 ]] || { echo "e2e: exit $erc (log: $LOGDIR/w8a8-e2e.log)"; rc=1; }
