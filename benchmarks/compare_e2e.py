@@ -17,17 +17,26 @@ with ``workload_input_tokens`` / ``workload_output_tokens``) and, where both rec
 ``max_num_batched_tokens``. Otherwise throughput is reported "not comparable" and the decode and TTFT columns decide.
 
 Also listed: committed rows the new file has no new measurement for (absent, or carried over unchanged by
-``e2e_gpu.py``'s merge: e.g. ``--quick`` runs no llama3-8b row), and new rows with no committed one. ``--strict``
-makes an unmeasured committed row fail the comparison too.
+``e2e_gpu.py``'s merge: e.g. ``--quick`` runs no llama3-8b row), and new rows with no committed one.
+
+Rows that must be measured: ``--requested`` takes the rows the new file lists under ``requested`` (``e2e_gpu.py``
+writes there the shape x variant rows it was asked for, whatever its flags), ``--shapes A,B --variants x,y`` names
+them by hand (variants as row labels, e.g. ``bf16+piecewise``). Each of them fails the comparison when this run did
+not measure it: listed under ``failures`` in the new file (``e2e_gpu.py`` records there every variant that raised or
+was skipped), absent, or carried over unchanged from the committed file. Committed rows outside those are only
+listed. ``--strict`` requires every committed row (and every row under ``failures``) too.
 
     python benchmarks/compare_e2e.py                                  # the e2e-*.json in $OUT (else benchmarks/results)
                                                                       # vs the file of the same name at git HEAD
     python benchmarks/compare_e2e.py /out/e2e-nvidia-h100-80gb-hbm3.json --old old.json
     python benchmarks/compare_e2e.py NEW --rev 339e013               # the committed file at another commit
+    python benchmarks/compare_e2e.py NEW --old OLD --requested       # every row the run was asked for is new
+    python benchmarks/compare_e2e.py NEW --old OLD --shapes smollm2-135m,qwen2.5-0.5b --variants bf16,w4a16,w8a8
 
 Without a .git (a GPU machine's copy of the tree) the committed file is ``benchmarks/results/<same name>`` in the
-working tree, when that is not the new file itself. Exit status: 0 pass, 1 a row slower (or, ``--strict``, a row
-unmeasured), 2 nothing to compare (no file, or no committed row measured again).
+working tree, when that is not the new file itself. Exit status: 0 pass, 1 a row slower or a required row not
+measured (``--requested``, ``--shapes``/``--variants``, ``--strict``), 2 nothing to compare (no file, no committed row
+measured again, or ``--requested`` on a file that lists none).
 """
 from __future__ import annotations
 
@@ -83,12 +92,16 @@ def compare_row(old: dict, new: dict, threshold: float) -> dict:
     return {"ratios": ratios, "slower": [c for c, r in ratios.items() if r < threshold], "throughput": why}
 
 
-def compare(old_rows: list[dict], new_rows: list[dict], threshold: float = 0.95) -> dict:
+def compare(old_rows: list[dict], new_rows: list[dict], threshold: float = 0.95,
+            required: list[tuple[str, str]] | None = None, failures: list[dict] | None = None) -> dict:
     """Match rows by (model_shape, variant): ``{"rows": {key: compare_row result}, "unmeasured": [committed keys with
-    no new measurement], "carried": [those of them the new file holds unchanged], "added": [new keys]}``."""
+    no new measurement], "carried": [those of them the new file holds unchanged], "added": [new keys],
+    "missing": {key: why}}``. ``missing``: the keys of ``required`` that this run did not measure: listed in the new
+    file's ``failures`` (``failures``: e2e_gpu.py records each variant that raised or was skipped there), absent from
+    it, or carried over unchanged from the committed file."""
     old = {row_key(r): r for r in old_rows}
     new = {row_key(r): r for r in new_rows}
-    out = {"rows": {}, "unmeasured": [], "carried": [], "added": sorted(k for k in new if k not in old)}
+    out = {"rows": {}, "unmeasured": [], "carried": [], "added": sorted(k for k in new if k not in old), "missing": {}}
     for key, o in old.items():
         n = new.get(key)
         if n is None or n == o:  # absent, or kept as it was by e2e_gpu.py's merge
@@ -97,7 +110,23 @@ def compare(old_rows: list[dict], new_rows: list[dict], threshold: float = 0.95)
                 out["carried"].append(key)
             continue
         out["rows"][key] = compare_row(o, n, threshold)
+    failed = {(f.get("model_shape"), f.get("variant")): f for f in failures or []}
+    for key in required or []:
+        if key in failed:  # a stale row of an earlier run may stand in the file: the failure decides
+            f = failed[key]
+            out["missing"][key] = f"{f.get('kind', 'failed')} in this run: {str(f.get('error', ''))[:160]}"
+        elif key not in new:
+            out["missing"][key] = "absent"
+        elif key in old and new[key] == old[key]:
+            out["missing"][key] = "carried over unchanged"
     return out
+
+
+def required_keys(shapes: str | None, variants: str | None) -> list[tuple[str, str]]:
+    """The rows a run was asked for: every ``--shapes`` x ``--variants`` pair (comma lists, as e2e_gpu.py takes
+    them; a variant is the row's label, e.g. ``bf16+piecewise``)."""
+    split = lambda v: [x for x in (v or "").split(",") if x]  # noqa: E731
+    return [(s, v) for s in split(shapes) for v in split(variants)]
 
 
 def committed_doc(new_path: Path, rev: str = "HEAD", root: Path = ROOT) -> tuple[dict, str]:
@@ -131,7 +160,10 @@ def _fmt(key: tuple[str, str]) -> str:
 
 
 def report(result: dict, threshold: float, strict: bool) -> tuple[list[str], int]:
+    """The lines to print and the exit status: 1 when a row is slower, a required row (``result["missing"]``) was
+    not measured, or, ``strict``, a committed row was not; else 2 when no row was measured again; else 0."""
     lines, failed = [], False
+    missing = result.get("missing", {})
     for key, r in result["rows"].items():
         cols = "  ".join(f"{c} {v:.3f}x" for c, v in r["ratios"].items())
         verdict = f"SLOWER ({', '.join(r['slower'])} under {threshold}x)" if r["slower"] else "ok"
@@ -140,18 +172,27 @@ def report(result: dict, threshold: float, strict: bool) -> tuple[list[str], int
         if r["throughput"]:
             lines.append(f"    throughput: {r['throughput']}")
     for key in result["unmeasured"]:
-        how = "carried over unchanged" if key in result["carried"] else "absent"
-        lines.append(f"{_fmt(key):<32} {'FAIL' if strict else 'not measured'}: no new measurement ({how})")
-        failed |= strict
+        how = missing.get(key) or ("carried over unchanged" if key in result["carried"] else "absent")
+        fail = strict or key in missing
+        lines.append(f"{_fmt(key):<32} {'FAIL' if fail else 'not measured'}: no new measurement ({how})")
+        failed |= fail
+    for key, why in missing.items():
+        if key not in result["unmeasured"]:  # requested, with no committed row (or a stale one) and no measurement
+            lines.append(f"{_fmt(key):<32} FAIL: requested, not measured in this run ({why})")
+            failed = True
     for key in result["added"]:
-        lines.append(f"{_fmt(key):<32} new row (no committed one)")
+        if key not in missing:
+            lines.append(f"{_fmt(key):<32} new row (no committed one)")
     slower = sum(bool(r["slower"]) for r in result["rows"].values())
     lines.append(f"== {len(result['rows'])} rows compared, {slower} slower than {threshold}x, "
-                 f"{len(result['unmeasured'])} committed rows not measured, {len(result['added'])} new")
+                 f"{len(result['unmeasured'])} committed rows not measured, {len(result['added'])} new"
+                 + (f", {len(missing)} requested rows not measured" if missing else ""))
+    if failed:
+        return lines, 1
     if not result["rows"]:
         lines.append("== no row was measured again: nothing is checked")
         return lines, 2
-    return lines, int(failed)
+    return lines, 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,7 +202,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--old", help="the committed e2e JSON (default: the new file's name at --rev)")
     ap.add_argument("--rev", default="HEAD", help="the commit whose benchmarks/results/<name> is the committed file")
     ap.add_argument("--threshold", type=float, default=0.95, help="the least speed ratio that passes (0.95)")
-    ap.add_argument("--strict", action="store_true", help="a committed row with no new measurement fails too")
+    ap.add_argument("--strict", action="store_true", help="a committed row with no new measurement fails too, and so "
+                                                           "does every row the new file lists under failures")
+    ap.add_argument("--shapes", help="comma list: with --variants, the rows the run was asked for (e2e_gpu.py's "
+                                     "--shapes); each must be measured in this run or the comparison fails")
+    ap.add_argument("--variants", help="comma list of row variants (labels, e.g. bf16+piecewise), with --shapes")
+    ap.add_argument("--requested", action="store_true",
+                    help="the rows the new file lists under requested (those e2e_gpu.py was asked for) must each be "
+                         "measured in this run, or the comparison fails")
     args = ap.parse_args(argv)
     try:
         new_path = Path(args.new) if args.new else default_new()
@@ -174,8 +222,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compare_e2e: {e}", file=sys.stderr)
         return 2
     print(f"== e2e rows: {new_path} vs {where} (speed ratios, higher is faster: new/old, ttft old/new)")
-    lines, rc = report(compare(old_doc.get("rows", []), new_doc.get("rows", []), args.threshold), args.threshold,
-                       args.strict)
+    if bool(args.shapes) != bool(args.variants):
+        print("compare_e2e: --shapes and --variants go together (the rows required are their pairs)", file=sys.stderr)
+        return 2
+    failures = new_doc.get("failures", [])
+    required = required_keys(args.shapes, args.variants)
+    if args.requested:
+        if "requested" not in new_doc:
+            print(f"compare_e2e: --requested, but {new_path} lists no requested rows (written by an e2e_gpu.py "
+                  f"before they were recorded?)", file=sys.stderr)
+            return 2
+        required += [(r.get("model_shape"), r.get("variant")) for r in new_doc["requested"]]
+    if args.strict:  # every committed row, and every row this run failed
+        required += [row_key(r) for r in old_doc.get("rows", [])]
+        required += [(f.get("model_shape"), f.get("variant")) for f in failures]
+    required = list(dict.fromkeys(required))
+    lines, rc = report(compare(old_doc.get("rows", []), new_doc.get("rows", []), args.threshold, required, failures),
+                       args.threshold, args.strict)
     print("\n".join(lines))
     return rc
 

@@ -20,7 +20,8 @@ Per (model shape, variant) it measures, through the public API (``LLM.generate``
   :class:`StepSpans`), over the run's wall time: host gaps inside a step count as busy, so an upper bound;
   ``floor_256_s`` / ``time_256_s`` / ``floor_256_ratio``: the workload's roofline floor from its FLOPs and bytes
   and the GPU's spec peaks, beside the measured time; ``gpu_kernel_busy_256``: kernel time over wall time from the
-  profiler, in a 200-step window of a second, 64-request run (:func:`kernel_busy`; ``--no-kernel-busy`` skips it);
+  profiler, in a 200-step window of a second, 64-request run stopped after the window (:func:`kernel_busy`;
+  ``--no-kernel-busy`` skips it);
 * ``weight_gbps_bs1``: weight bytes read per decoded token (every weight except the embedding table, which is
   gathered, unless tied to the LM head) x ``decode_tok_s_bs1``: compare with the GPU's HBM bandwidth;
 * ``gpu_ms_step_bs1``: GPU time of one batch-1 decode step (its CUDA graph replayed back to back, 256 cached
@@ -28,7 +29,19 @@ Per (model shape, variant) it measures, through the public API (``LLM.generate``
 * ``host_ms_step_bs1``: wall time of ``LLMEngine.step()`` minus the time it waits for the GPU (scheduling, input
   building, sampling bookkeeping, output processing), over 64 batch-1 decode steps;
 * the same decode columns with ``_eager`` appended: the engine with ``enforce_eager=True`` (no CUDA graphs), in
-  the same run, so the graphs' gain is one division away (skipped with ``--no-eager``).
+  the same run, so the graphs' gain is one division away (skipped with ``--no-eager``);
+* ``phase_s``: wall seconds per phase of the variant (load, warm-up, decode, ttft, throughput, kernel_busy, and the
+  eager engine's), each also printed as it ends (``[shape/variant] phase: Ns``), and ``seconds``, the whole row.
+
+Nothing timed compiles: before the decode columns each engine runs :func:`warm_up_steps`, one step at each M bucket
+bound of the kernel tables up to a ``max_num_batched_tokens`` step beside 16 decodes (the throughput run's largest
+steps), so the Triton GEMMs of the quantized variants compile there and not inside a timed run (cuBLAS bf16 compiles
+nothing, so compiles in a timed run bias the quantized / bf16 ratios).
+
+A variant that raises or is skipped (its checkpoint could not be made) loses only its own row: its engine is shut
+down and its memory collected before the next variant, the rows that succeed are saved, and the failure is recorded
+under ``failures`` in the JSON (with a lost CUDA context also under ``device_faults``). The exit status is then 1
+(0: every requested row measured; 2: no GPU; 4: too many device faults).
 
 Results go to ``<--out-dir>/e2e-<gpu>.json`` (default benchmarks/results): rows of other shapes/variants already
 there are kept (an out-dir without the file starts from the committed ``benchmarks/results/e2e-<gpu>.json``, so
@@ -57,6 +70,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,6 +173,95 @@ def ttft_ms(llm, sp_cls, vocab: int, rng: random.Random, prompt_len: int = 512, 
     return statistics.median(times)
 
 
+# the kernel modules whose module-level tables map token counts to kernels or tile configurations: lists of
+# ``(max_m, ...)`` rows, first row covering M wins (lqe.kernels.dispatch and the Triton GEMMs' config tables)
+M_TABLE_MODULES = ("lqe.kernels.dispatch", "lqe.kernels.triton_wna16", "lqe.kernels.triton_w8a8",
+                   "lqe.kernels.triton_fp8", "lqe.kernels.triton_gemv_w8a8")
+
+
+def m_bucket_bounds(modules=M_TABLE_MODULES) -> set[int]:
+    """Every ``max_m`` of the ``(max_m, ...)`` tables in ``modules`` (a module that does not import is skipped)."""
+    import importlib
+
+    bounds = set()
+    for name in modules:
+        try:
+            mod = importlib.import_module(name)
+        except Exception:  # noqa: BLE001 -- a kernel module that cannot load picks nothing
+            continue
+        for value in vars(mod).values():
+            if (isinstance(value, list) and value and all(isinstance(r, tuple) and len(r) == 2 for r in value)
+                    and all(r[0] is None or (isinstance(r[0], int) and not isinstance(r[0], bool)) for r in value)):
+                bounds.update(r[0] for r in value if r[0] is not None)
+    return bounds
+
+
+def warmup_token_counts(max_tokens: int, bounds: set[int] | None = None) -> list[int]:
+    """The step sizes (flat tokens, M of every linear layer) whose warm-up compiles every kernel configuration a step
+    of up to ``max_tokens`` tokens can pick: each M bucket's bound below ``max_tokens`` (:func:`m_bucket_bounds`) and
+    ``max_tokens`` itself, each with the count one below it (Triton specializes an integer argument that is 1 or
+    divisible by 16, so M = 64 and M = 63 are two compilations of one tile configuration)."""
+    bounds = m_bucket_bounds() if bounds is None else bounds
+    tops = {b for b in bounds if 1 <= b < max_tokens} | {max_tokens}
+    return sorted({c for b in tops for c in (b, b - 1) if c >= 1})
+
+
+def warm_up_steps(llm, sp_cls, vocab: int, rng: random.Random, counts: list[int], decodes: int = 16) -> list[int]:
+    """One engine step of each of ``counts`` flat tokens, before anything is timed, so the kernels of every M bucket
+    a timed run can hit are compiled (Triton JIT per tile configuration: the quantized GEMMs compile, cuBLAS bf16
+    does not, so a compile inside a timed run biases quantized / bf16 ratios). The larger steps run their prompt
+    tokens beside ``decodes`` running decodes (a mixed step, as in the throughput run); the smaller ones are a prompt
+    alone. Every warm-up prompt asks for one token (it finishes in its step); the decodes are aborted at the end.
+    Returns the step sizes asked for (those above ``max_num_batched_tokens`` are left out)."""
+    engine = llm.llm_engine
+    max_prompt = engine.max_model_len - 1
+    cfg = engine.config
+    counts = sorted({c for c in counts if 1 <= c <= cfg.max_num_batched_tokens})
+    if not counts:
+        return []
+    seqs_for = lambda tokens: -(-tokens // max_prompt)  # noqa: E731 -- prompts a step of that many tokens needs
+    decodes = max(0, min(decodes, cfg.max_num_seqs - 1 - seqs_for(counts[-1])))
+    small = [c for c in counts if c <= 2 * decodes]  # too few tokens to sit beside the decodes
+    large = [c for c in counts if c > 2 * decodes]
+    ids = iter(range(1 << 30))
+    params = sp_cls(max_tokens=1, ignore_eos=True, temperature=0)
+
+    def step_until(rids: set[str]) -> None:  # step until each request in ``rids`` has finished
+        pending = set(rids)
+        while pending and engine.has_unfinished():
+            pending -= {o.request_id for o in engine.step() if o.finished}
+
+    def prompts_of(tokens: int) -> set[str]:
+        rids = set()
+        while tokens > 0:
+            k = min(tokens, max_prompt)
+            rid = f"warm-up-{next(ids)}"
+            engine.add_request(rid, _prompts(rng, 1, k, vocab)[0], params)
+            rids.add(rid)
+            tokens -= k
+        return rids
+
+    for c in small:
+        step_until(prompts_of(c))
+    running = [f"warm-up-decode-{i}" for i in range(decodes if large else 0)]
+    try:
+        if running:
+            plen = 8
+            for rid in running:
+                engine.add_request(rid, _prompts(rng, 1, plen, vocab)[0],
+                                   sp_cls(max_tokens=engine.max_model_len - plen - 1, ignore_eos=True, temperature=0))
+            started: set[str] = set()
+            while len(started) < len(running) and engine.has_unfinished():  # their prefill: then they decode
+                started |= {o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids}
+        for c in large:
+            step_until(prompts_of(c - len(running)))
+    finally:
+        engine.abort_request(running)
+        while engine.has_unfinished():  # async scheduling: the step still in flight
+            engine.step()
+    return counts
+
+
 class StepSpans:
     """CUDA events around the device part of every engine step, for ``gpu_busy_256``. A step's span starts at an
     event recorded right after its inputs are enqueued (the first ``StepInputBuilder.fill`` of the step: host buffer
@@ -250,18 +353,23 @@ def kernel_busy(llm, sp_cls, n: int, vocab: int, seed: int, skip_steps: int = 50
                 hi: int = 1024, activities=None) -> dict:
     """GPU kernel time over wall time from the profiler: the first ``n`` requests of the same workload, CUDA activity
     only (CUPTI records each kernel / copy with its device timestamps; no CPU-op tracing, so the host is barely
-    slowed), in a window of ``steps`` engine steps after ``skip_steps``. ``gpu_kernel_busy_256`` is the union of the
-    window's kernel and copy intervals over the span from its first start to its last end: a lower bound where the
-    profiler slows the host at all, beside ``gpu_busy_256`` (CUDA events around each step), an upper bound. A
-    separate run, so the throughput run is never profiled."""
+    slowed), in a window of ``steps`` engine steps after ``skip_steps`` (and the profiler's 2 warm-up steps).
+    ``gpu_kernel_busy_256`` is the union of the window's kernel and copy intervals over the span from its first start
+    to its last end: a lower bound where the profiler slows the host at all, beside ``gpu_busy_256`` (CUDA events
+    around each step), an upper bound. A separate run, so the throughput run is never profiled; it stops once the
+    window's last step has run (the requests still unfinished are aborted through ``LLMEngine.abort_request``), so
+    it costs the window, not a whole generation."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
     from workload import busy_union
 
     reqs = workload_256(vocab, n, lo, hi, seed=seed)
     params = [sp_cls(max_tokens=r.output_len, ignore_eos=True, temperature=0) for r in reqs]
-    runner = llm.llm_engine.runner
+    engine = llm.llm_engine
+    runner = engine.runner
     names = ("execute", "execute_async")
+    window = skip_steps + 2 + steps  # the schedule's steps: wait, warmup, active; the trace is complete after them
+    ids = [f"kernel-busy-{i}" for i in range(n)]
     with profile(activities=activities or [ProfilerActivity.CUDA],
                  schedule=schedule(wait=skip_steps, warmup=2, active=steps, repeat=1)) as prof:
         def stepped(execute):
@@ -271,14 +379,26 @@ def kernel_busy(llm, sp_cls, n: int, vocab: int, seed: int, skip_steps: int = 50
                 finally:
                     prof.step()
             return run
+        before = {name: vars(runner).get(name) for name in names}  # instance attributes already there (wrappers)
         for name in names:
             setattr(runner, name, stepped(getattr(runner, name)))
         try:
-            llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
+            for rid, r, p in zip(ids, reqs, params):
+                engine.add_request(rid, r.prompt, p)
+            while engine.has_unfinished() and prof.step_num < window:
+                engine.step()
             _sync()
-        finally:
-            for name in names:
-                delattr(runner, name)
+        finally:  # the window is over: the requests still running are aborted, not generated to their end
+            try:
+                engine.abort_request(ids)
+                while engine.has_unfinished():  # async scheduling: the step still in flight
+                    engine.step()
+            finally:
+                for name in names:
+                    if before[name] is None:
+                        delattr(runner, name)  # the class's method again
+                    else:
+                        setattr(runner, name, before[name])
     events = [e for e in prof.profiler.kineto_results.events() if e.device_type() == torch.autograd.DeviceType.CUDA]
     busy, span = busy_union([(e.start_ns(), e.end_ns()) for e in events])
     return {"gpu_kernel_busy_256": round(busy / span, 3) if span else None, "kernel_busy_window_steps": steps,
@@ -351,26 +471,94 @@ def _llm(model_dir: Path, args, eager: bool):
                **({"cudagraph_mode": args.cudagraph_mode} if getattr(args, "cudagraph_mode", None) else {}))
 
 
-def _decode_columns(llm, args, vocab: int, suffix: str) -> dict:
+class Phases:
+    """Wall seconds per phase of a variant's run (``phase_s`` in its row), each printed as it ends, so a device log
+    shows where a variant's time went even when the run is cut off inside it."""
+
+    def __init__(self, label: str) -> None:
+        self.label, self.seconds, self._t = label, {}, time.perf_counter()
+
+    def mark(self, name: str, note: str = "") -> None:
+        now = time.perf_counter()
+        self.seconds[name] = round(self.seconds.get(name, 0.0) + now - self._t, 1)
+        self._t = now
+        print(f"[{self.label}] {name}: {self.seconds[name]:.1f}s{note}", flush=True)
+
+    def restart(self) -> None:
+        """Start the next phase's clock now (time since the last mark belongs to no phase)."""
+        self._t = time.perf_counter()
+
+
+def _decode_columns(llm, args, vocab: int, suffix: str, phases: Phases | None = None) -> dict:
     from lqe import SamplingParams
 
+    phases = phases or Phases(f"{getattr(args, 'label', '?')}")
     rng = random.Random(args.seed)
     llm.generate(_prompts(rng, 2, 64, vocab), SamplingParams(max_tokens=8, ignore_eos=True, temperature=0),
                  use_tqdm=False)  # warm-up: kernel compilation / autotuning
+    # every M bucket the timed runs can hit, up to a max_num_batched_tokens step beside decodes (the throughput
+    # run's first steps): its compiles are not timed (own rng: the timed prompts stay those of earlier runs)
+    counts = warm_up_steps(llm, SamplingParams, vocab, random.Random(args.seed + 7),
+                           warmup_token_counts(args.max_num_batched_tokens))
+    phases.mark(f"warm-up{suffix}", f" ({len(counts)} steps of {counts[0] if counts else 0}.."
+                                    f"{counts[-1] if counts else 0} tokens)")
     n = 256 if not suffix else 64  # the eager engine is ~10x slower: fewer tokens give the same rate
     row = {f"decode_tok_s_bs1{suffix}": decode_tok_s(llm, SamplingParams, 1, vocab, rng, n),
            f"decode_tok_s_bs16{suffix}": decode_tok_s(llm, SamplingParams, 16, vocab, rng, n),
            f"host_ms_step_bs1{suffix}": host_ms_per_step(llm, SamplingParams, vocab, rng)}
+    phases.mark(f"decode{suffix}")
     return row
 
 
+def shutdown_llm(llm) -> None:
+    """``llm.shutdown()`` (weights, KV cache, graphs released), never raising: after a failure the engine may be
+    half-built or the CUDA context lost, and the failure itself is what gets reported."""
+    if llm is None:
+        return
+    try:
+        llm.shutdown()
+    except Exception as e:  # noqa: BLE001
+        print(f"# engine shutdown failed: {type(e).__name__}: {e}", flush=True)
+
+
 def run_variant(model_dir: Path, args, vocab: int, shape: str) -> dict:
+    """One variant's row. Its engines are shut down on every way out (a raising measurement included), so a failed
+    variant leaves no weights or KV cache behind for the next one (main then collects what is left)."""
+    phases = Phases(getattr(args, "label", shape))
+    llm = _llm(model_dir, args, eager=False)
+    try:
+        row = _graph_columns(llm, args, vocab, shape, phases)
+    finally:
+        shutdown_llm(llm)
+        llm = None
+    _free_gpu()
+    if not args.no_eager:
+        phases.restart()
+        try:
+            llm = _llm(model_dir, args, eager=True)
+            phases.mark("load_eager")
+            row.update(_decode_columns(llm, args, vocab, "_eager", phases))
+            if "gpu_ms_step_bs1" in row:
+                row["gpu_busy_bs1_eager"] = row["gpu_ms_step_bs1"] * row["decode_tok_s_bs1_eager"] / 1e3
+            row["graph_speedup_bs1"] = row["decode_tok_s_bs1"] / row["decode_tok_s_bs1_eager"]
+        except Exception as e:  # noqa: BLE001 -- keep the graph columns
+            row["eager_error"] = f"{type(e).__name__}: {e}"
+            _clear_traceback(e)
+        finally:
+            shutdown_llm(llm)
+            llm = None
+        _free_gpu()
+    row["phase_s"] = dict(phases.seconds)
+    return row
+
+
+def _graph_columns(llm, args, vocab: int, shape: str, phases: Phases) -> dict:
+    """The row's columns from the default (CUDA-graph) engine."""
     from lqe import SamplingParams
 
-    t0 = time.perf_counter()
-    llm = _llm(model_dir, args, eager=False)
     runner = llm.llm_engine.runner
-    row = {"attention_backend": runner.attention_backend, "load_s": round(time.perf_counter() - t0, 1),
+    phases.mark("load")
+    row = {"attention_backend": runner.attention_backend, "load_s": phases.seconds["load"],
            "cuda_graphs": runner.graph_runner is not None}
     if runner.graph_runner is not None:
         row["graph_capture_s"] = round(runner.graph_runner.capture_seconds, 2)
@@ -379,13 +567,14 @@ def run_variant(model_dir: Path, args, vocab: int, shape: str) -> dict:
         row["piecewise_buckets"] = len(runner.piecewise.buckets)
         row["piecewise_capture_s"] = round(runner.piecewise.capture_seconds, 2)
         row["piecewise_pool_mib"] = round(runner.piecewise.pool_bytes / 2**20, 1)
-    row.update(_decode_columns(llm, args, vocab, ""))
+    row.update(_decode_columns(llm, args, vocab, "", phases))
     if runner.graph_runner is not None:
         row["gpu_ms_step_bs1"] = runner.graph_runner.time_replay(1, 128 + 128)
         row["gpu_busy_bs1"] = row["gpu_ms_step_bs1"] * row["decode_tok_s_bs1"] / 1e3
     rng = random.Random(args.seed + 1)
     row["ttft_ms"] = ttft_ms(llm, SamplingParams, vocab, rng)
     row["weight_bytes"] = decode_weight_bytes(llm)
+    phases.mark("ttft")
     # the issue-26 workload: throughput_tok_s / total_tok_s keep their names (same protocol: lengths uniform in
     # [100, 1024], seeded), now with the GPU-busy fraction and the roofline floor of the same run
     paths_before = dict(runner.steps_by_path)
@@ -398,26 +587,27 @@ def run_variant(model_dir: Path, args, vocab: int, shape: str) -> dict:
     row["gpu_busy_256"] = round(t["gpu_s"] / t["seconds"], 3)
     row["steps_256"], row["num_requests_256"] = t["steps"], args.num_requests
     row.update(floor_columns(shape, t["requests"], row["weight_bytes"], t["seconds"]))
+    phases.mark("throughput", f" ({args.num_requests} requests, {t['steps']} steps)")
     if not args.no_kernel_busy:
         try:
             row.update(kernel_busy(llm, SamplingParams, min(args.num_requests, 64), vocab, args.seed))
         except Exception as e:  # noqa: BLE001 -- the profiler is an extra column, never a lost row
             row["kernel_busy_error"] = f"{type(e).__name__}: {e}"
+            _clear_traceback(e)
+        phases.mark("kernel_busy")
     row["weight_gbps_bs1"] = row["weight_bytes"] * row["decode_tok_s_bs1"] / 1e9
-    del llm, runner
-    _free_gpu()
-    if not args.no_eager:
-        try:
-            llm = _llm(model_dir, args, eager=True)
-            row.update(_decode_columns(llm, args, vocab, "_eager"))
-            if "gpu_ms_step_bs1" in row:
-                row["gpu_busy_bs1_eager"] = row["gpu_ms_step_bs1"] * row["decode_tok_s_bs1_eager"] / 1e3
-            row["graph_speedup_bs1"] = row["decode_tok_s_bs1"] / row["decode_tok_s_bs1_eager"]
-        except Exception as e:  # noqa: BLE001 -- keep the graph columns
-            row["eager_error"] = f"{type(e).__name__}: {e}"
-        llm = None
-        _free_gpu()
     return row
+
+
+def _clear_traceback(exc: BaseException) -> None:
+    """Drop the locals of every finished frame in ``exc``'s traceback (and those of the exceptions it chains): a
+    failed measurement's frames hold its engine, model runner and tensors, which would outlive the failure for as
+    long as the exception (or a reference cycle through it) is alive."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
 
 
 @contextlib.contextmanager
@@ -440,6 +630,18 @@ def _free_gpu() -> None:
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+
+
+def release_memory() -> None:
+    """After a failed variant: collect what its engine left (reference cycles in a half-built or failed engine keep
+    weights and KV cache alive until collected) and hand the cached blocks back to the device, so the next variant
+    (an 8B model on an 80 GiB GPU) starts with the memory free. Never raises (the CUDA context may be lost)."""
+    try:
+        gc.collect()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+    except Exception as e:  # noqa: BLE001
+        print(f"# releasing GPU memory failed: {type(e).__name__}: {e}", flush=True)
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -504,14 +706,30 @@ def main(argv: list[str] | None = None) -> int:
     this_commit = commit()
     work = Path(args.work_dir)
     done = [p for p in args.done.split(",") if p]
-    if not done:  # a new run: the faults an earlier one recorded are its own
+    label_suffix = (("+piecewise" if args.cudagraph_mode == "FULL_AND_PIECEWISE" else "")
+                    + ("+async" if args.async_scheduling else ""))
+    if not done:  # a new run: the faults, failures and requests an earlier one recorded are its own
         extra.pop("device_faults", None)
+        extra.pop("failures", None)
+        # the rows this run was asked for (benchmarks/compare_e2e.py --requested fails each one not measured)
+        extra["requested"] = [{"model_shape": s, "variant": v + label_suffix} for s in shapes for v in variants]
 
     def write():
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"),
                                         "env": environment(), "rows": list(rows.values()), **extra}, indent=1))
 
+    if not done:
+        write()  # at once: a run cut off before its first row leaves no earlier run's requests behind
+
+    def failed(shape: str, label: str, kind: str, error: str, seconds: float | None = None) -> None:
+        """A requested row this run did not measure: recorded under ``failures`` (kept across a restart), so the
+        file says why and the exit status is 1 (benchmarks/compare_e2e.py --shapes/--variants fails it too)."""
+        extra["failures"] = [*extra.get("failures", []), {
+            "model_shape": shape, "variant": label, "kind": kind, "error": error, "commit": this_commit,
+            **({"seconds": round(seconds, 1)} if seconds is not None else {})}]
+
+    run_t0 = time.perf_counter()
     for shape in shapes:
         if all(f"{shape}/{v}" in done for v in variants):
             continue
@@ -522,45 +740,65 @@ def main(argv: list[str] | None = None) -> int:
         for variant in variants:
             if f"{shape}/{variant}" in done:
                 continue
+            label = variant + label_suffix
+            args.label = f"{shape}/{label}"  # the prefix of run_variant's per-phase lines
+            t0 = time.perf_counter()
+            print(f"[{shape}/{label}] start ({t0 - run_t0:.0f}s into this run)", flush=True)
             model_dir, why = base, ""
             online = (VARIANTS[variant] or "").startswith("online:")
             args.quantization = VARIANTS[variant].removeprefix("online:") if online else None
             if VARIANTS[variant] and not online:  # one checkpoint per format (w4a16-mma reads w4a16's)
                 model_dir, why = quantize(base, VARIANTS[variant], work / shape / VARIANTS[variant])
             if model_dir is None:
-                print(f"[{shape}/{variant}] skipped: {why}", flush=True)
+                print(f"[{shape}/{label}] skipped after {time.perf_counter() - t0:.1f}s: {why}", flush=True)
+                done.append(f"{shape}/{variant}")
+                failed(shape, label, "skipped", why, time.perf_counter() - t0)
+                write()
                 continue
-            t0 = time.perf_counter()
+            error = None
             try:
                 with variant_env(variant):
                     row = run_variant(model_dir, args, vocab, shape)
             except Exception as e:  # noqa: BLE001 -- one broken variant must not lose the others
-                print(f"[{shape}/{variant}] failed: {type(e).__name__}: {e}", flush=True)
+                error = f"{type(e).__name__}: {e}"
+                _clear_traceback(e)  # its frames hold the failed engine (weights, KV cache) until they go
+            if error is not None:
+                seconds = time.perf_counter() - t0
+                print(f"[{shape}/{label}] failed after {seconds:.1f}s: {error}", flush=True)
                 done.append(f"{shape}/{variant}")
-                error = cuda_fault()
-                if error:  # a kernel lost the CUDA context: every later variant would fail in this process
-                    print(f"[{shape}/{variant}] the CUDA context was lost ({error})", flush=True)
+                failed(shape, label, "failed", error, seconds)
+                fault = cuda_fault()
+                if fault:  # a kernel lost the CUDA context: every later variant would fail in this process
+                    print(f"[{shape}/{label}] the CUDA context was lost ({fault})", flush=True)
                     extra["device_faults"] = [*extra.get("device_faults", []), {
-                        "model_shape": shape, "variant": variant, "error": error, "commit": this_commit}]
+                        "model_shape": shape, "variant": variant, "error": fault, "commit": this_commit}]
                     write()
                     if restart(["--done", ",".join(done)]) is False:
                         print("too many device faults: stopped", flush=True)
                         return 4
+                release_memory()  # what the failed engine left, before the next variant loads
+                write()
                 continue
-            label = (variant + ("+piecewise" if args.cudagraph_mode == "FULL_AND_PIECEWISE" else "")
-                     + ("+async" if args.async_scheduling else ""))
             row = {"model_shape": shape, "variant": label, **row, "num_requests": args.num_requests,
                    "seed": args.seed, "seconds": round(time.perf_counter() - t0, 1), "commit": this_commit}
             rows[(shape, label)] = row
             kept.discard((shape, label))
             done.append(f"{shape}/{variant}")
-            print(f"[{shape}/{variant}] " + ", ".join(
+            print(f"[{shape}/{label}] " + ", ".join(
                 f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
                 if k not in ("model_shape", "variant")), flush=True)
+            phases = ", ".join(f"{k} {v:.1f}s" for k, v in row.get("phase_s", {}).items())
+            print(f"[{shape}/{label}] done in {row['seconds']:.1f}s" + (f" ({phases})" if phases else ""), flush=True)
             write()
     if kept:
         print("rows kept from before, not measured in this run: " + ", ".join(f"{s}/{v}" for s, v in sorted(kept)))
-    print(f"wrote {out_path}")
+    write()
+    print(f"wrote {out_path} ({time.perf_counter() - run_t0:.0f}s)")
+    failures = extra.get("failures", [])
+    if failures:  # the rows that did succeed are saved; the run still fails
+        print(f"FAILED: {len(failures)} requested row(s) not measured: " + "; ".join(
+            f"{f['model_shape']}/{f['variant']} {f['kind']} ({f['error'][:120]})" for f in failures), flush=True)
+        return 1
     return 0
 
 
