@@ -118,19 +118,39 @@ def row_group(name: str) -> str | None:
     return next((g for g, names in ROW_GROUPS.items() if name in names), None)
 
 
-def carried_rows(path: Path, gpu: str) -> list[dict]:
-    """The rows of an earlier run in ``path`` on the same GPU, marked ``carried_over`` (with that run's commit), for
-    a ``--rows`` run to keep beside its own: the W8A8 stage re-times its groups without erasing the W4A16 rows the
-    gate wrote into the same kernels-<gpu>.json. Each row's ratio is from its own run."""
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def carried_doc(path: Path, gpu: str) -> tuple[list[dict], dict, str | None]:
+    """What a ``--rows`` run keeps beside its own rows: ``(rows, implied_tables, source)`` of the earlier run in
+    ``path``, or, when ``path`` does not exist (a device run writing to an empty $OUT), of the committed file of the
+    same name in benchmarks/results, so the file it writes can replace that one without losing its other rows (as
+    e2e_gpu.merge_base does for the e2e rows). Only a file of the same GPU counts; rows are marked ``carried_over``
+    (with that run's commit); ``source`` is the file they came from (None: nothing carried)."""
+    src = path if path.exists() else RESULTS / path.name
     try:
-        old = json.loads(path.read_text())
+        old = json.loads(src.read_text())
     except (OSError, ValueError):
-        return []
-    if old.get("device") != gpu:
-        return []
+        return [], {}, None
+    if not isinstance(old, dict) or old.get("device") != gpu:
+        return [], {}, None
     commit = old.get("commit") or (old.get("env") or {}).get("lqe_commit")
-    return [{**r, "carried_over": r.get("carried_over", commit or True)} for r in old.get("rows", [])
-            if {"kernel", "shape", "m"} <= r.keys()]
+    rows = [{**r, "carried_over": r.get("carried_over", commit or True)} for r in old.get("rows", [])
+            if isinstance(r, dict) and {"kernel", "shape", "m"} <= r.keys()]
+    tables = old.get("implied_tables") if isinstance(old.get("implied_tables"), dict) else {}
+    try:
+        where = str(src.resolve().relative_to(RESULTS.parent.parent))
+    except ValueError:
+        where = str(src)
+    return rows, dict(tables), where
+
+
+def carried_rows(path: Path, gpu: str) -> list[dict]:
+    """The rows of an earlier run in ``path`` (or its committed namesake in benchmarks/results when ``path`` does not
+    exist: :func:`carried_doc`) on the same GPU, marked ``carried_over`` (with that run's commit), for a ``--rows`` run
+    to keep beside its own: the W8A8 stage re-times its groups without erasing the W4A16 rows the gate wrote into the
+    same kernels-<gpu>.json. Each row's ratio is from its own run."""
+    return carried_doc(path, gpu)[0]
 
 
 def parse_rows(spec: str | None) -> frozenset[str]:
@@ -641,8 +661,11 @@ def main(argv=None) -> int:
     path = Path(args.out) if args.out else (Path(os.environ["OUT"]) if os.environ.get("OUT") else
                                             Path(__file__).parent / "results") / f"kernels{modes}-{tag}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    implied: dict = {}
-    kept = carried_rows(path, gpu) if groups != frozenset(ROW_GROUPS) else []
+    # a --rows run keeps the rows (and implied tables) of the groups it does not time: its --out file's, or the
+    # committed benchmarks/results file's of that name when --out does not exist yet (an empty $OUT on the device)
+    kept, implied, carried_from = carried_doc(path, gpu) if groups != frozenset(ROW_GROUPS) else ([], {}, None)
+    if carried_from:
+        print(f"# --rows {args.rows}: keeping {len(kept)} row(s) of {carried_from} (same GPU) beside this run's")
     # After a device fault (a kernel that loses the CUDA context): this run's rows so far, the faults, the kernels
     # left out from then on; the (shape, M) pairs with a cuBLAS row are done.
     state = json.loads(Path(args.resume).read_text()) if args.resume else {"rows": [], "faults": [], "skip": []}
@@ -655,10 +678,11 @@ def main(argv=None) -> int:
         """Write what is measured so far (after every shape: a run cut by its time limit keeps its rows and the
         tables they imply so far). A ``--rows`` run keeps the file's rows it did not measure again."""
         implied.update(tables or {})
-        new = {(r["kernel"], r["shape"], r["m"]) for r in rows}
+        new = {(r.get("kernel"), r.get("shape"), r.get("m")) for r in rows}
         old = [r for r in kept if (r["kernel"], r["shape"], r["m"]) not in new]
         path.write_text(json.dumps({"device": gpu, "env": env, "copy_gbps": round(copy_gbps, 1), "rows": old + rows,
                                     "implied_tables": implied, "complete": complete,
+                                    **({"carried_from": carried_from} if carried_from and old else {}),
                                     **({"device_faults": faults} if faults else {})}, indent=1))
 
     def on_fault(f: DeviceFault, rows: list[dict]) -> int:

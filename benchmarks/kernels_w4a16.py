@@ -97,7 +97,9 @@ def w4a16_sweep(shapes: list[str], ms: list[int], copy_gbps: float, bench, rotat
     """The sweep's rows, appended to ``rows`` (a run resumed after a device fault passes the rows it kept, the
     kernels it leaves out in ``skip`` and the ``(shape, M)`` pairs already measured in ``done``). A kernel that loses
     the CUDA context raises :class:`common.DeviceFault` with the rows to keep (all but the faulted pair's); one that
-    does not return hands that fault to ``on_fault`` from a watchdog (:func:`common.hang_guard`)."""
+    does not return hands that fault to ``on_fault`` from a watchdog (:func:`common.hang_guard`). ``on_shape(rows,
+    tables)`` is called after every shape and once at the end with ``{"WNA16_MMA_TABLE": table}`` (the table implied
+    by the shapes measured so far; benchmarks/kernels.py saves it under the JSON's ``implied_tables``)."""
     from common import bench_row
 
     rows = [] if rows is None else rows
@@ -105,7 +107,7 @@ def w4a16_sweep(shapes: list[str], ms: list[int], copy_gbps: float, bench, rotat
     for r in rows:  # resumed: the geo-means count the rows measured before the fault
         if r.get("speedup_vs_cublas") and r.get("shape") in shapes:
             by_m.setdefault(r["m"], {}).setdefault(r["kernel"], []).append(r["speedup_vs_cublas"])
-    for shape in shapes:
+    for i, shape in enumerate(shapes):
         if all((shape, m) in done for m in ms):
             continue
         k, n = map(int, shape.split("x"))
@@ -132,8 +134,8 @@ def w4a16_sweep(shapes: list[str], ms: list[int], copy_gbps: float, bench, rotat
                 if sp:
                     by_m.setdefault(m, {}).setdefault(name, []).append(sp)
                 print(f"{name:30s} {m:5d} {us:9.2f} {fl:9.2f} {gbps:7.0f} {sp if sp else '':>9}")
-        if on_shape:  # the caller saves what is measured so far
-            on_shape(rows)
+        if on_shape:  # the caller saves what is measured so far, with the table it implies so far
+            on_shape(rows, {"WNA16_MMA_TABLE": implied_mma_table(by_m, i + 1)} if by_m else None)
     print("# W4A16: geometric-mean speed-up over cuBLAS bf16 across shapes")
     for m, d in sorted(by_m.items()):
         gm = sorted(((math.exp(sum(map(math.log, v)) / len(v)), nm) for nm, v in d.items() if len(v) == len(shapes)),
@@ -141,5 +143,6 @@ def w4a16_sweep(shapes: list[str], ms: list[int], copy_gbps: float, bench, rotat
         print(f"#   M={m:5d}: " + ", ".join(f"{nm} {g:.2f}x" for g, nm in gm))
     table = implied_mma_table(by_m, len(shapes))
     print(f"# implied dispatch.WNA16_MMA_TABLE ({gpu}): {table}")
-    rows.append({"kernel": "implied-wna16-mma-table", "table": [list(r) for r in table]})
+    if on_shape:  # the table goes into the JSON's implied_tables, beside the other implied tables (not as a row:
+        on_shape(rows, {"WNA16_MMA_TABLE": table})  # every row has a kernel, shape and M)
     return rows

@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import re
+
 import pytest
 import torch
 
@@ -23,8 +25,9 @@ F8 = getattr(torch, "float8_e4m3fn", None)
 SHAPE = (4096, 4096)  # K x N of a Llama-3-8B o_proj: every table config resolves on it as on the model's layers
 
 
-def _compile_all(call) -> list[str]:
-    """Compile every launch ``call()`` makes; the kernel names, after checking each one's PTX and spills."""
+def _compile_all(call, check_ptx=None) -> list[str]:
+    """Compile every launch ``call()`` makes; the kernel names, after checking each one's PTX and spills (and
+    ``check_ptx(name, ptx)`` when given)."""
     from hopper_compile import captured_launches, compile_launch, spill_bytes
 
     with captured_launches() as launches:
@@ -36,6 +39,8 @@ def _compile_all(call) -> list[str]:
         ptx = kernel.asm["ptx"]
         assert ".local" not in ptx, f"{launch.name}: local memory in the PTX"
         assert spill_bytes(ptx) == 0, f"{launch.name}: ptxas spills registers"
+        if check_ptx is not None:
+            check_ptx(launch.name, ptx)
         names.append(launch.name)
     return names
 
@@ -192,6 +197,9 @@ def test_store_kv(cache):
             tkv.store_kv(key, value, kv, slots, *scales)
         ptx = compile_launch(launches[0]).asm["ptx"]
         assert "div.rn.f32" in ptx and "div.full.f32" not in ptx
+        # the saturating clamp keeps a NaN (plain min.f32 / max.f32 return the other operand: NaN -> -448)
+        assert re.search(r"\b(min|max)\.NaN\.", ptx) and not re.search(r"\b(min|max)\.f32", ptx), \
+            sorted(set(re.findall(r"\b(?:min|max)\.[\w.]+", ptx)))
 
 
 @pytest.mark.parametrize("hidden", [576, 4096])
@@ -210,22 +218,8 @@ def test_float_ops(hidden, cpu_launches):
     assert _compile_all(lambda: fo.rotary_embedding(pos, q, k, cos_sin, d, use_triton=True)) == ["_rotary_kernel"] * 2
 
 
-@pytest.mark.skipif(F8 is None, reason="this torch has no float8_e4m3fn")
-@pytest.mark.parametrize("group,static", [(0, False), (128, False), (0, True)])
-def test_fp8_producers(group, static, cpu_launches):
-    from lqe.kernels import fused_quant_fp8 as fq
-
-    hidden, inter = 4096, 14336
-    x = torch.randn(33, hidden, dtype=torch.bfloat16)
-    scale = torch.ones(1) if static else None
-    assert _compile_all(lambda: fq.rms_norm_quant_fp8(x, torch.ones(hidden, dtype=torch.bfloat16), 1e-5,
-                                                      residual=x.clone(), group=group, use_triton=True, scale=scale)
-                        ) == ["_rms_norm_quant_fp8_kernel"]
-    assert _compile_all(lambda: fq.silu_mul_quant_fp8(torch.randn(33, 2 * inter, dtype=torch.bfloat16), group=group,
-                                                      use_triton=True, scale=scale)) == ["_silu_mul_quant_fp8_kernel"]
-
-
-@pytest.mark.parametrize("head_dim,group,cache", [(64, 3, "bf16"), (128, 4, "bf16"), (128, 4, "fp8"), (80, 3, "bf16")])
+@pytest.mark.parametrize("head_dim,group,cache", [(64, 3, "bf16"), (128, 4, "bf16"), (128, 4, "fp8"), (80, 3, "bf16"),
+                                                   (64, 3, "f32"), (128, 4, "f32"), (80, 1, "f32")])
 def test_paged_attention_mixed_step(head_dim, group, cache):
     """A mixed step (two prefill chunks beside three decodes, one of them long enough to split): the prefill tiles,
     the split decode and its reduction, as paged_attention launches them for the head dim and GQA group."""
@@ -247,9 +241,112 @@ def test_paged_attention_mixed_step(head_dim, group, cache):
                              seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
                              max_query_len=max(q for q, _ in specs), max_seq_len=max(lens), query_start_loc_cpu=qsl,
                              seq_lens_cpu=lens, block_size=page)
-    query = torch.randn(qsl[-1], kvh * group, head_dim, dtype=torch.bfloat16)
-    kv = torch.zeros(2, tables.numel(), page, kvh, head_dim, dtype=torch.bfloat16 if cache == "bf16" else F8)
+    dt = torch.float32 if cache == "f32" else torch.bfloat16  # f32: a float32 model (its cache is float32 too)
+    query = torch.randn(qsl[-1], kvh * group, head_dim, dtype=dt)
+    kv = torch.zeros(2, tables.numel(), page, kvh, head_dim, dtype=F8 if cache == "fp8" else dt)
     scales = (torch.ones(1), torch.ones(1)) if cache == "fp8" else (None, None)
     names = _compile_all(lambda: ta.paged_attention(query, kv, meta, head_dim ** -0.5, k_scale=scales[0],
                                                     v_scale=scales[1]))
     assert names == ["_prefill_kernel", "_decode_kernel", "_decode_reduce_kernel"], names
+
+
+# ------------------------------------------------------------------------------------------------ 8-bit quantizers
+# the activation widths of the models' W8A8 / FP8 layers: hidden sizes (RMSNorm -> qkv / gate_up, o_proj's
+# standalone quantizer) of 8B / 70B-class / 405B-class Llama, and intermediate sizes (SiLU-mul -> down_proj)
+HIDDEN = (4096, 8192, 16384)
+INTERMEDIATE = (14336, 28672)
+INT8_MODES = ("sym", "asym", "static")
+
+
+def _int8_kwargs(mode):
+    if mode == "static":
+        return {"scale": torch.full((1,), 0.05), "azp": torch.full((1,), 3, dtype=torch.int32)}
+    return {"symmetric": mode == "sym"}
+
+
+def _fp8_nan_safe(name: str, ptx: str) -> None:
+    """The fp8 codes' clamp to +-448 keeps NaN (``min.NaN`` / ``max.NaN``): no NaN-dropping ``min.f32`` /
+    ``max.f32`` against +-448 (0f43E00000 / 0fC3E00000) before the e4m3 cast."""
+    import re
+
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx, name
+    assert ".NaN" in ptx, f"{name}: no NaN-propagating clamp in the PTX"
+    assert not re.search(r"\b(min|max)\.f32\s[^;]*0f(43E00000|C3E00000)", ptx), f"{name}: clamp drops NaN"
+
+
+@pytest.mark.parametrize("mode", INT8_MODES)
+@pytest.mark.parametrize("hidden", HIDDEN)
+def test_int8_rms_norm_quant(hidden, mode, cpu_launches):
+    from lqe.kernels import fused_quant as fq
+
+    x = torch.randn(33, hidden, dtype=torch.bfloat16)
+    assert _compile_all(lambda: fq.rms_norm_quant_int8_any(x, torch.ones(hidden, dtype=torch.bfloat16), 1e-5,
+                                                           residual=x.clone(), use_triton=True, **_int8_kwargs(mode))
+                        ) == ["_rms_norm_quant_kernel"]
+
+
+@pytest.mark.parametrize("mode", INT8_MODES)
+@pytest.mark.parametrize("inter", INTERMEDIATE)
+def test_int8_silu_mul_quant(inter, mode, cpu_launches):
+    from lqe.kernels import fused_quant as fq
+
+    x = torch.randn(33, 2 * inter, dtype=torch.bfloat16)
+    assert _compile_all(lambda: fq.silu_mul_quant_int8_any(x, use_triton=True, **_int8_kwargs(mode))
+                        ) == ["_silu_mul_quant_kernel"]
+
+
+@pytest.mark.parametrize("mode", INT8_MODES)
+@pytest.mark.parametrize("k", HIDDEN + INTERMEDIATE)
+def test_int8_act_quant(k, mode):
+    from lqe.kernels import triton_act_quant as taq
+
+    x = torch.randn(33, k, dtype=torch.bfloat16)
+    assert _compile_all(lambda: taq.quant_int8(x, use_triton=True, **_int8_kwargs(mode))) == ["_int8_quant_kernel"]
+
+
+FP8_MODES = [(0, False), (128, False), (0, True)]  # (group, static): per token, 1 x 128 groups, static per tensor
+needs_fp8 = pytest.mark.skipif(F8 is None, reason="this torch has no float8_e4m3fn")
+
+
+@needs_fp8
+@pytest.mark.parametrize("group,static", FP8_MODES)
+@pytest.mark.parametrize("hidden", HIDDEN)
+def test_fp8_rms_norm_quant(hidden, group, static, cpu_launches):
+    from lqe.kernels import fused_quant_fp8 as fq
+
+    x = torch.randn(33, hidden, dtype=torch.bfloat16)
+    assert _compile_all(lambda: fq.rms_norm_quant_fp8(x, torch.ones(hidden, dtype=torch.bfloat16), 1e-5,
+                                                      residual=x.clone(), group=group, use_triton=True,
+                                                      scale=torch.ones(1) if static else None), _fp8_nan_safe
+                        ) == ["_rms_norm_quant_fp8_kernel"]
+
+
+@needs_fp8
+@pytest.mark.parametrize("group,static", FP8_MODES)
+@pytest.mark.parametrize("inter", INTERMEDIATE)
+def test_fp8_silu_mul_quant(inter, group, static, cpu_launches):
+    from lqe.kernels import fused_quant_fp8 as fq
+
+    x = torch.randn(33, 2 * inter, dtype=torch.bfloat16)
+    assert _compile_all(lambda: fq.silu_mul_quant_fp8(x, group=group, use_triton=True,
+                                                      scale=torch.ones(1) if static else None), _fp8_nan_safe
+                        ) == ["_silu_mul_quant_fp8_kernel"]
+
+
+@needs_fp8
+@pytest.mark.parametrize("group,static", FP8_MODES)
+@pytest.mark.parametrize("k", HIDDEN + INTERMEDIATE)
+def test_fp8_act_quant(k, group, static):
+    from lqe.kernels import triton_act_quant as taq
+
+    x = torch.randn(33, k, dtype=torch.bfloat16)
+    assert _compile_all(lambda: taq.quant_fp8(x, group, scale=torch.ones(1) if static else None, use_triton=True),
+                        _fp8_nan_safe) == ["_fp8_quant_kernel"]
+
+
+def test_fp8_nan_check_catches_a_nan_dropping_clamp():
+    """The PTX check above fails on the clamp the fp8 quantizers had (tl.minimum / tl.maximum)."""
+    lines = ["cvt.rn.satfinite.e4m3x2.f32  %rs1, %r4, %r3;"]
+    with pytest.raises(AssertionError, match="clamp drops NaN"):
+        _fp8_nan_safe("old", "\n".join(lines + ["max.f32 \t%r10, %r8, 0fC3E00000;", "min.NaN.f32 %r1, %r2, %r3;"]))
+    _fp8_nan_safe("new", "\n".join(lines + ["min.NaN.xorsign.abs.f32 \t%r3, %r8, %r10;"]))

@@ -364,3 +364,71 @@ def test_kernels_py_restarts_past_a_hung_kernel(tmp_path, monkeypatch, stub_gpu)
     got = {(r["kernel"], r["shape"], r["m"]) for r in doc["rows"]}
     assert ("cublas-bf16", "4096x6144", 16) in got and ("lqe-w4a16-mma", "4096x4096", 1) not in got
     assert doc["complete"] and doc["device_faults"][0]["kernel"] == "lqe-w4a16-mma"
+
+
+def test_kernels_py_w4a16_saves_the_implied_mma_table_and_completes(tmp_path, monkeypatch, stub_gpu):
+    """``kernels.py --w4a16`` ends with a complete JSON: every row has a kernel, shape and M, and the WNA16_MMA_TABLE
+    the run implies is in ``implied_tables`` (it used to be appended as a shape-less row, which the final save's
+    row keys could not read: KeyError, the file left ``complete: false``)."""
+    import json
+
+    import kernels_w4a16 as k4
+
+    kernels = stub_gpu
+    speed = {1: {"lqe-w4a16-mma": 5.0, "lqe-w4a16-mma-dequant+cublas": 9.0},
+             16: {"lqe-w4a16-mma": 6.0, "lqe-w4a16-mma-dequant+cublas": 9.5},
+             256: {"lqe-w4a16-mma": 12.0, "lqe-w4a16-mma-dequant+cublas": 8.0}}
+
+    def fake_candidates(k, n, rotating, cycler, dev="cuda"):
+        def timed(name):
+            return lambda x: lambda: speed[x.shape[0]].get(name, 10.0)
+        return {name: (timed(name), k * n // 2) for name in ("cublas-bf16", "lqe-w4a16", *k4.MMA_ROWS)}
+
+    monkeypatch.setattr(k4, "w4a16_candidates", fake_candidates)
+    out = tmp_path / "kernels-w4a16-stub.json"
+    assert kernels.main(["--w4a16", "--m", "1", "16", "256", "--shapes", "256x128", "512x128", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["complete"]
+    assert all({"kernel", "shape", "m"} <= r.keys() for r in doc["rows"])
+    assert len(doc["rows"]) == 2 * 3 * 4
+    assert [tuple(t) for t in doc["implied_tables"]["WNA16_MMA_TABLE"]] == [
+        (16, "lqe-w4a16-mma"), (None, "lqe-w4a16-mma-dequant+cublas")]
+
+
+def test_a_rows_run_into_an_empty_out_keeps_the_committed_rows(tmp_path, monkeypatch, stub_gpu):
+    """On the device $OUT starts empty: ``--rows w8a8,fp8 --out $OUT/kernels-<gpu>.json`` keeps the rows (and implied
+    tables) of the committed benchmarks/results file of that name, when it is the same GPU's, so copying the file
+    back does not erase the W4A16 rows; another GPU's committed file is not mixed in; an existing --out wins."""
+    import json
+
+    kernels = stub_gpu
+    results = tmp_path / "results"
+    results.mkdir()
+    monkeypatch.setattr(kernels, "RESULTS", results)
+    committed = [{"kernel": "lqe-w4a16", "shape": "256x128", "m": 1, "us": 4.0},
+                 {"kernel": "lqe-w8a8", "shape": "256x128", "m": 1, "us": 99.0}]
+    (results / "kernels-stub.json").write_text(json.dumps(
+        {"device": "Stub GPU", "env": {"lqe_commit": "c0ffee1"}, "rows": committed,
+         "implied_tables": {"WNA16_TABLE": [[None, "lqe-wna16-fused"]]}, "complete": True}))
+    (results / "kernels-other.json").write_text(json.dumps({"device": "Other GPU", "rows": committed}))
+    monkeypatch.setattr(kernels, "candidates", lambda k, n, groups: {
+        "cublas-bf16": (lambda x: lambda: 10.0, k * n * 2), "lqe-w8a8": (lambda x: lambda: 5.0, k * n)})
+    argv = ["--rows", "w8a8,fp8", "--m", "1", "--shapes", "256x128"]
+    out = tmp_path / "out" / "kernels-stub.json"
+    assert kernels.main(argv + ["--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    rows = {(r["kernel"], r["shape"], r["m"]): r for r in doc["rows"]}
+    assert doc["complete"] and len(rows) == len(doc["rows"]) == 3
+    assert rows[("lqe-w4a16", "256x128", 1)]["carried_over"] == "c0ffee1"
+    assert rows[("lqe-w8a8", "256x128", 1)]["us"] == 5.0 and "carried_over" not in rows[("lqe-w8a8", "256x128", 1)]
+    assert doc["implied_tables"]["WNA16_TABLE"] == [[None, "lqe-wna16-fused"]]
+    assert doc["implied_tables"]["W8A8_TABLE"] == [[None, "lqe-w8a8"]]
+    assert doc["carried_from"].endswith("kernels-stub.json")
+
+    other = tmp_path / "out" / "kernels-other.json"
+    assert kernels.main(argv + ["--out", str(other)]) == 0
+    assert {r["kernel"] for r in json.loads(other.read_text())["rows"]} == {"cublas-bf16", "lqe-w8a8"}
+
+    out.write_text(json.dumps({"device": "Stub GPU", "rows": [{"kernel": "triton-wna16", "shape": "256x128", "m": 1}]}))
+    assert kernels.main(argv + ["--out", str(out)]) == 0  # the existing --out file, not the committed one
+    assert {r["kernel"] for r in json.loads(out.read_text())["rows"]} == {"triton-wna16", "cublas-bf16", "lqe-w8a8"}

@@ -25,6 +25,14 @@ scale 0, azp 0, q 0. Static, as :func:`~lqe.kernels.act_quant_ref.static_quant_i
 azp)``, computed as ``rne(clamp(y / scale, -128 - azp, 127 - azp)) + azp`` (equal for an integer ``azp``: clamping
 to integer bounds commutes with rounding; the link pass offers the fusion only for ``|azp| <= 2^15``).
 
+NaN (int8 has no NaN code; behaviour left as it is, unlike the fp8 quantizers, which keep NaN: fused_quant_fp8.py):
+on a GPU the kernels' ``tl.minimum`` / ``tl.maximum`` compile to PTX ``min.f32`` / ``max.f32``, which return the
+non-NaN operand, so a NaN activation drops out of its row's absmax / min / max (the scale is the other values') and
+its own code saturates to -128 (the clamp's lower bound); the torch references give a NaN scale for the row and
+cast NaN to an implementation-defined int8. Triton's interpreter runs min / max through numpy, which treats NaN as
+its version chooses, so the CPU tests do not pin the GPU's behaviour. A NaN activation is a model fault either way,
+but on the Triton path the layer's output row stays finite (and wrong) rather than NaN.
+
 The torch twins (``*_torch``) compose :func:`~lqe.kernels.fused_ops.rms_norm_torch` /
 :func:`~lqe.kernels.fused_ops.silu_and_mul_torch` with the reference quantizer: the CPU path and the ground truth.
 The Triton path runs for CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``); ``use_triton=False`` forces the

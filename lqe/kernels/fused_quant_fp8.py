@@ -15,6 +15,10 @@ launch), then :func:`quant_fp8_ref` (what :func:`lqe.kernels.w8a8.fp8_quantize_p
 rounded fp32 (``tl.div_rn``; torch divides exactly on CPU and CUDA), the cast round-to-nearest-even as the GPU's
 ``cvt.rn.satfinite.e4m3x2.f32`` and torch's ``.to(float8_e4m3fn)`` do. An all-zero row (group) gets scale
 ``1e-12 / 448`` and q 0, as the torch path does.
+
+NaN: a NaN activation gives a NaN code (the clamp propagates it: :func:`_fp8_codes`), as torch's clamp and cast do.
+Its row's (group's) scale on the GPU is that of the other values (the max reduction drops NaN) where torch's amax
+makes the whole row's scale and codes NaN; either way the GEMM's outputs of that row are NaN.
 """
 from __future__ import annotations
 
@@ -72,6 +76,15 @@ def silu_mul_quant_fp8_torch(x, group=0, scale=None):
 # ------------------------------------------------------------------------------------------------ kernels
 if HAS_TRITON:
     @triton.jit
+    def _fp8_codes(v):
+        """e4m3 codes of the fp32 quotients ``v``: ``clamp(v, -448, 448)`` then the round-to-nearest-even cast. The
+        clamp propagates NaN (PTX ``min.NaN``; ``tl.minimum`` / ``tl.maximum`` compile to ``min.f32`` / ``max.f32``,
+        which return the other operand, so a NaN activation became -448), and the cast keeps it NaN, as torch's
+        ``clamp`` + ``.to(float8_e4m3fn)`` does. (Triton's interpreter casts NaN to the code 0x7C: check NaN on a
+        GPU.)"""
+        return tl.clamp(v, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e4nv)
+
+    @triton.jit
     def _fp8_store(y, Q, S, row, stride_q, stride_s, cols, mask, n, GROUP: tl.constexpr, BLOCK: tl.constexpr,
                    group_base, SS, STATIC: tl.constexpr):
         """Quantize fp32 ``y [BLOCK]`` (masked lanes 0) per row (GROUP == 0), per GROUP columns, or with the static
@@ -90,8 +103,7 @@ if HAS_TRITON:
             v = tl.reshape(tl.div_rn(yg, scale[:, None]), (BLOCK,))
             gidx = group_base + tl.arange(0, BLOCK // GROUP)
             tl.store(S + row * stride_s + gidx, scale, mask=gidx * GROUP < n)
-        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-        tl.store(Q + row * stride_q + cols, v.to(tl.float8e4nv), mask=mask)
+        tl.store(Q + row * stride_q + cols, _fp8_codes(v), mask=mask)
         return scale
 
     @triton.jit
@@ -140,8 +152,7 @@ if HAS_TRITON:
             for c in range(NUM_CHUNKS):  # recompute (elementwise, so the same bits) rather than keep the row
                 cols = c * CHUNK + offs
                 y = _silu_and_mul_row(X, row, stride_x, n, cols, cols < n).to(X.dtype.element_ty).to(tl.float32)
-                v = tl.minimum(tl.maximum(tl.div_rn(y, scale), -448.0), 448.0)
-                tl.store(Q + row * stride_q + cols, v.to(tl.float8e4nv), mask=cols < n)
+                tl.store(Q + row * stride_q + cols, _fp8_codes(tl.div_rn(y, scale)), mask=cols < n)
             tl.store(S + row * stride_s, scale)
 
 

@@ -17,7 +17,9 @@ and :func:`lqe.kernels.fused_quant_fp8.quant_fp8_ref` / :func:`~lqe.kernels.fuse
 quantizing for itself gets the bits its fused producer would have handed it. (torch on CUDA divides by a Python scalar
 through its reciprocal, so the torch ops of :func:`lqe.kernels.w8a8.fp8_quantize_per_token` can differ from the
 reference in the last bit of a scale there; this kernel does not.) An all-zero row gives int8 scale 0 / q 0 (azp 0)
-and fp8 scale ``1e-12 / 448`` / q 0, as the references do.
+and fp8 scale ``1e-12 / 448`` / q 0, as the references do. NaN: a NaN activation stays NaN in fp8
+(:func:`lqe.kernels.fused_quant_fp8._fp8_codes`: the clamp propagates it); int8 has no NaN code, see
+:mod:`lqe.kernels.fused_quant` for what a NaN becomes there.
 
 One program per row; a row longer than :data:`CHUNK` columns takes a pass for its range, then a quantizing pass over
 the (L2-resident) row again. Static and per-group quantization need no pass first. The Triton path runs for CUDA
@@ -35,7 +37,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from lqe.kernels.fused_quant import _params, _quantize, _stats, _store_params
-    from lqe.kernels.fused_quant_fp8 import _fp8_store
+    from lqe.kernels.fused_quant_fp8 import _fp8_codes, _fp8_store
 
 CHUNK = 4096  # columns of a row held at once
 SYM, ASYM, STATIC = 0, 1, 2  # int8 MODE, as lqe.kernels.fused_quant
@@ -127,8 +129,7 @@ if HAS_TRITON:
             for c in range(NUM_CHUNKS):
                 cols = c * CHUNK + offs
                 y = _load_row(X, row, stride_x, cols, cols < n)
-                v = tl.minimum(tl.maximum(tl.div_rn(y, scale), -448.0), 448.0)
-                tl.store(Q + row * stride_q + cols, v.to(tl.float8e4nv), mask=cols < n)
+                tl.store(Q + row * stride_q + cols, _fp8_codes(tl.div_rn(y, scale)), mask=cols < n)
             tl.store(S + row * stride_s, scale)
 
 

@@ -111,6 +111,9 @@ def select_w8a8_kernel(wq_kn: torch.Tensor, w_scale: torch.Tensor, device: torch
 
 
 KERNELS = ("triton-w8a8", "int-mm+epilogue", "triton-gemv", "lqe-w8a8")
+# the rows that can run triton-w8a8 (:func:`w8a8_apply`): int-mm+epilogue reroutes M <= 16 to it (cuBLASLt refuses
+# them), triton-gemv M > 16 (the GEMV serves M <= 16)
+TRITON_W8A8_FALLBACKS = frozenset({"triton-w8a8", "int-mm+epilogue", "triton-gemv"})
 
 
 @dataclass(slots=True)
@@ -185,8 +188,8 @@ def plan_w8a8(w_nk: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype, asy
     colsum = None
     if asymmetric:
         colsum = packed.colsum if packed is not None else w_nk.to(torch.int32).sum(1, dtype=torch.int32)
-    if "triton-w8a8" in used:
-        from lqe.kernels import triton_w8a8 as tw
+    if used & TRITON_W8A8_FALLBACKS:  # triton-w8a8 itself, or a row w8a8_apply reroutes to it for some M: its
+        from lqe.kernels import triton_w8a8 as tw  # split-K workspace must not grow later (inside a graph capture)
 
         tw.reserve_workspace(device, tw.workspace_rows(), n)
     if "triton-gemv" in used:
@@ -300,19 +303,73 @@ def fp8_quantize_static(x: torch.Tensor, scale: torch.Tensor, use_triton: bool |
 def fp8_linear(x: torch.Tensor, wq_nk: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
                input_scale: torch.Tensor | None = None):
     """FP8 W8A8 linear, output in ``x``'s dtype: dynamic per-token activation scales, or the static per-tensor
-    ``input_scale``. Row-wise ``_scaled_mm`` produces bfloat16 (the only output type torch supports for it on
-    every version), so other activation dtypes are computed in bfloat16 and cast back."""
+    ``input_scale``. Row-wise ``_scaled_mm`` writes bfloat16, and float16 where this torch / GPU does
+    (:func:`fp8_scaled_mm_dtype`: torch 2.11 does, older builds refuse; a probe per device); other activation
+    dtypes are computed in bfloat16 and cast back."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     xq, xs = fp8_quantize_per_token(x2) if input_scale is None else fp8_quantize_static(x2, input_scale)
-    w_scale = w_scale.float().reshape(1, -1)
-    if x.dtype == torch.bfloat16:
-        return fp8_gemm(xq, xs, wq_nk, w_scale, bias, x.dtype).view(*lead, wq_nk.shape[0])
-    out = fp8_gemm(xq, xs, wq_nk, w_scale, None, torch.bfloat16).to(x.dtype)
-    if bias is not None:
-        out = out + bias.to(x.dtype)
-    return out.view(*lead, wq_nk.shape[0])
+    return _scaled_mm_to(xq, xs, wq_nk, w_scale.float().reshape(1, -1), bias, x.dtype).view(*lead, wq_nk.shape[0])
 
+
+def _scaled_mm_to(xq: torch.Tensor, xs: torch.Tensor, wq_nk: torch.Tensor, ws: torch.Tensor,
+                  bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """Row-wise ``_scaled_mm`` with its output in ``out_dtype``: written directly (bias of that dtype in the GEMM's
+    epilogue) when :func:`fp8_scaled_mm_dtype` says torch writes it on this device, else in bfloat16, cast, and the
+    bias added after."""
+    mm_dtype = fp8_scaled_mm_dtype(xq.device, out_dtype)
+    if mm_dtype == out_dtype:
+        return fp8_gemm(xq, xs, wq_nk, ws, None if bias is None else bias.to(out_dtype), out_dtype)
+    out = fp8_gemm(xq, xs, wq_nk, ws, None, mm_dtype).to(out_dtype)
+    return out if bias is None else out + bias.to(out_dtype)
+
+
+# device key -> whether row-wise torch._scaled_mm writes float16 (with a float16 bias) correctly there
+_FP16_OUT_PROBED: dict[str, bool] = {}
+
+
+def _probe_key(device: torch.device | str) -> str:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
+
+
+def fp8_scaled_mm_dtype(device: torch.device | str, out_dtype: torch.dtype) -> torch.dtype:
+    """The output dtype to ask row-wise ``torch._scaled_mm`` for when the caller wants ``out_dtype``: bfloat16 (every
+    torch writes it), or float16 itself where a one-time probe on this device (cached per device, like
+    :func:`fp8_rowwise_reason`'s) finds torch writing float16 with a float16 bias correctly (torch 2.11's row-wise
+    scaling takes bf16 or fp16 output: "Only bf16 and fp16 high precision output types are supported"; older builds
+    took bf16 only). Not probed inside a CUDA-graph capture (the
+    probe synchronizes): there, until an eager call has probed, bfloat16 (the load-time
+    :func:`fp8_rowwise_reason` probe runs it first)."""
+    if out_dtype != torch.float16:
+        return torch.bfloat16
+    key = _probe_key(device)
+    if key not in _FP16_OUT_PROBED:
+        if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.bfloat16
+        _FP16_OUT_PROBED[key] = _probe_fp16_out(torch.device(key))
+    return torch.float16 if _FP16_OUT_PROBED[key] else torch.bfloat16
+
+
+def _probe_fp16_out(device: torch.device) -> bool:
+    """One tiny row-wise ``_scaled_mm`` with float16 output and bias on ``device`` against the fp32 math of the same
+    fp8 operands; False when torch refuses it or it is wrong. Deterministic inputs (the CUDA RNG does not move)."""
+    try:
+        w = torch.linspace(-1.0, 1.0, 64 * 32, device=device).reshape(64, 32)
+        x = torch.linspace(-2.0, 2.0, 3 * 64, device=device).reshape(3, 64)
+        wq, ws = fp8_quantize_weight(w)
+        xq, xs = fp8_quantize_per_token(x, use_triton=False)
+        bias = torch.linspace(-1.0, 1.0, 32, device=device)
+        y = fp8_gemm(xq, xs, wq, ws, bias.half(), torch.float16)
+        ref = (xq.float() * xs) @ (wq.float() * ws.reshape(-1, 1)).t() + bias
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return (y.dtype == torch.float16 and y.shape == (3, 32)
+                and bool(((y.float() - ref).abs() <= 1e-2 * ref.abs().max() + 1e-2).all()))
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        return False
 
 
 FP8_KERNELS = ("triton-gemv", "scaled-mm", "triton-fp8")
@@ -323,7 +380,8 @@ def fp8_apply(xq: torch.Tensor, x_scale: torch.Tensor, wq_nk: torch.Tensor, w_sc
               table: list[tuple[int | None, str]] | None = None) -> torch.Tensor:
     """FP8 W8A8 product of quantized activations (per token ``[M]``/``[M, 1]`` or one static scale) and a per-channel
     (or per-tensor, expanded) fp8 weight ``[N, K]``, through the kernel FP8_TABLE (lqe/kernels/dispatch.py) picks for
-    M: the Triton GEMV (M <= 16), ``torch._scaled_mm`` (row-wise scales; bf16 output, cast) or the Triton fp8 GEMM.
+    M: the Triton GEMV (M <= 16), ``torch._scaled_mm`` (row-wise scales; bf16 output, or fp16 where torch writes it:
+    :func:`fp8_scaled_mm_dtype`) or the Triton fp8 GEMM.
     Host-only choice: CUDA-graph capturable."""
     from lqe.kernels.dispatch import FP8_TABLE, pick
 
@@ -342,11 +400,7 @@ def fp8_apply(xq: torch.Tensor, x_scale: torch.Tensor, wq_nk: torch.Tensor, w_sc
         return tf.fp8_mm(xq, x_scale, wq_nk, w_scale, bias, out_dtype)
     xs = x_scale.float().reshape(-1, 1)
     xs = xs.expand(m, 1).contiguous() if xs.shape[0] != m else xs
-    ws = w_scale.float().reshape(1, -1)
-    if out_dtype == torch.bfloat16:
-        return fp8_gemm(xq, xs, wq_nk, ws, bias, out_dtype)
-    out = fp8_gemm(xq, xs, wq_nk, ws, None, torch.bfloat16).to(out_dtype)
-    return out if bias is None else out + bias.to(out_dtype)
+    return _scaled_mm_to(xq, xs, wq_nk, w_scale.float().reshape(1, -1), bias, out_dtype)
 
 
 def fp8_block_apply(x: torch.Tensor, wq_nk: torch.Tensor, w_block_scale: torch.Tensor,
