@@ -260,7 +260,7 @@ def test_run_gpu_goes_on_after_a_device_fault(tmp_path):
 def test_stage_tests_go_on_after_a_device_fault(tmp_path):
     """run_tests in a focused stage (test files as arguments): after a fault the tests not reached are collected
     again and run in a fresh process, less every test already started."""
-    proc, calls, out = _dry_run(tmp_path, ["--w4a16"], LQE_SKIP="sweep e2e",
+    proc, calls, out = _dry_run(tmp_path, ["--w4a16"], LQE_SKIP="sweep e2e", LQE_STAGE_TEST_JOBS="1",
                                 LQE_STUB_TESTS="test_a test_b test_c", LQE_STUB_FAULT="test_b")
     runs = [c for c in calls if c.startswith("-m pytest") and "--collect-only" not in c]
     assert len(runs) == 2, runs
@@ -268,6 +268,25 @@ def test_stage_tests_go_on_after_a_device_fault(tmp_path):
     assert "::test_c" in runs[1] and "::test_a" not in runs[1] and "::test_b" not in runs[1], runs[1]
     assert "device faults" in proc.stdout and "test_stub.py::test_b" in proc.stdout
     assert '"tests": 1' in (out / "w4a16-stage-stub-gpu.json").read_text()  # the rest passed; the fault fails it
+
+
+def test_stage_tests_run_in_parallel_groups(tmp_path):
+    """A stage's tests run in LQE_STAGE_TEST_JOBS groups side by side (ids grouped as the gate groups them), each
+    with its own JUnit XML, every collected id run once; a group's failure fails the step."""
+    import re as _re
+
+    proc, calls, out = _dry_run(tmp_path, ["--w4a16"], LQE_SKIP="sweep e2e", LQE_STAGE_TEST_JOBS="3",
+                                LQE_STUB_TESTS=" ".join(f"test_{i}" for i in range(9)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = [c for c in calls if c.startswith("-m pytest") and "--collect-only" not in c]
+    assert len(runs) == 3, runs
+    ran = sorted(t for r in runs for t in _re.findall(r"::(test_\d)", r))
+    assert ran == [f"test_{i}" for i in range(9)]
+    assert {"w4a16-0.xml", "w4a16-1.xml", "w4a16-2.xml"} <= _packed_logs(out)
+    (tmp_path / "f").mkdir()
+    proc, calls, out = _dry_run(tmp_path / "f", ["--w4a16"], LQE_SKIP="sweep e2e", LQE_STAGE_TEST_JOBS="3",
+                                LQE_STUB_TESTS=" ".join(f"test_{i}" for i in range(9)), LQE_STUB_FAULT="test_4")
+    assert '"tests": 0' not in (out / "w4a16-stage-stub-gpu.json").read_text()
 
 
 def test_run_gpu_goes_on_after_a_process_ends_inside_a_test(tmp_path):

@@ -26,12 +26,32 @@ BUILD_RC=${PIPESTATUS[0]}
 pack_logs
 echo "build: exit $BUILD_RC in $(( $(date +%s) - t0 )) s"
 
-run_tests() {  # run_tests NAME pytest-args...: gpu-marked tests (budget.sh's gpu_pytest: a device fault costs only its
-  local name=$1; shift  # test), summary line, JUnit XML in $LOGDIR/NAME.xml (and NAME.r1.xml, ... after a fault)
-  gpu_pytest "$name" "${LQE_TEST_TIMEOUT:-300}" "$@"
-  local rc=$?
+# run_tests NAME pytest-args...: gpu-marked tests (budget.sh's gpu_pytest: a device fault costs only its test), in
+# LQE_STAGE_TEST_JOBS (default 4) pytest processes side by side on the one GPU, as run_gpu.sh's test stage does (the
+# ids grouped by file and cost: benchmarks/stages/test_groups.py); summary lines, JUnit XML in $LOGDIR/NAME-<i>.xml
+# (NAME.xml with one job; and .r1.xml, ... after a fault). Returns the first non-zero status of a group.
+run_tests() {
+  local name=$1; shift
+  local jobs=${LQE_STAGE_TEST_JOBS:-4} rc=0 r i groups=() pids=() names=()
+  if (( jobs > 1 )); then
+    python -m pytest -m gpu --collect-only -q -p no:cacheprovider "$@" 2>/dev/null | grep "::" > "$LOGDIR/$name-ids.txt"
+    mapfile -t groups < <(python - "$LOGDIR/$name-ids.txt" "$jobs" < benchmarks/stages/test_groups.py)
+  fi
+  if (( ${#groups[@]} > 1 )); then
+    for i in "${!groups[@]}"; do
+      gpu_pytest "$name-$i" "${LQE_TEST_TIMEOUT:-300}" ${groups[$i]} &
+      pids+=($!) names+=("$name-$i")
+    done
+  else
+    gpu_pytest "$name" "${LQE_TEST_TIMEOUT:-300}" "$@" &
+    pids+=($!) names+=("$name")
+  fi
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}"; r=$?
+    (( r != 0 && rc == 0 )) && rc=$r
+    echo "-- tests ${names[$i]}: exit $r"; tail -12 "$LOGDIR/${names[$i]}.txt"
+    [[ -f "$LOGDIR/${names[$i]}.fault" ]] && { echo "-- device faults (test, error):"; cat "$LOGDIR/${names[$i]}.fault"; }
+  done
   pack_logs
-  echo "-- tests $name: exit $rc"; tail -25 "$LOGDIR/$name.txt"
-  [[ -f "$LOGDIR/$name.fault" ]] && { echo "-- device faults (test, error):"; cat "$LOGDIR/$name.fault"; }
   return $rc
 }
