@@ -19,9 +19,14 @@ Methods: plain GPTQ / AWQ / RTN / SmoothQuant, and ``recipe-sym`` / ``recipe-asy
 recipes flag for flag (rotation, act-order, clipping search, drift correction; the asym one also per-head rotation
 and two refinement passes).
 
-The checkpoint: with all of the shape's layers it is e2e_gpu.py's bf16 checkpoint (the same config and seed, under
-its ``$LQE_BENCH_DIR/<shape>/bf16``: one 16 GB copy serves e2e_gpu.py, kv_cache_gpu.py and this); with ``--layers N``
-an N-layer one of its own under ``--work-dir``. The calibration tokens are saved beside it.
+The checkpoint (``--source``): ``random`` (the default) draws it as calibration reads it, each tensor on the GPU
+(``common.RandomCheckpointReader``: N(0, 0.02) bf16 weights, unit norms, every tensor seeded by ``--seed`` and its
+name, so the same at every read), with nothing written but its config.json under ``--work-dir``: no 16 GB build
+before the 8B run, whose setup is seconds. ``disk`` reads a bf16 safetensors checkpoint: with all of the shape's
+layers e2e_gpu.py's (the same config and seed, under its ``$LQE_BENCH_DIR/<shape>/bf16``: one 16 GB copy serves
+e2e_gpu.py, kv_cache_gpu.py and this; 2-3 min to build), with ``--layers N`` an N-layer one of its own under
+``--work-dir``. The two hold different random values of the same distribution (the time and memory of calibration
+are the same; each row says its ``source``). The calibration tokens are saved under ``--work-dir``.
 
 Longer than one call: ``--stop-after-s S`` stops cleanly between two decoder layers before S seconds from the
 start (the next layer predicted as 1.25 x the slowest so far, the writer as ``--tail-s``), saves the state under
@@ -32,6 +37,13 @@ any call, and ``calls`` / ``resumed`` say so. With ``--stop-after-s``, a method 
 skipped (its row kept; ``--restart`` measures again), and no method starts with under ``--min-start-s`` left.
 ``--build-only`` writes the checkpoint and the calibration tokens and exits.
 
+With ``LQE_BUDGET_S`` set (the seconds the device call has left as the script starts, as benchmarks/stages/budget.sh
+reads it), the stop is at most ``LQE_BUDGET_S - 20`` s from the start, so the script pauses before the call is
+killed. A pause also writes the method's partial row (``complete: false``, ``paused_before_layer``, ``layers_done``,
+each layer's seconds and their median, ``extrapolated_seconds`` = fixed part + median x the shape's layers, and
+``extrapolated_with_tail_s`` with ``--tail-s`` for the LM head and the writer, peak GPU memory so far), which the
+complete row replaces: even a call cut short measures the seconds per layer and the peak memory.
+
 Results go to ``benchmarks/results/calibration-<gpu>.json`` (``calibration-cpu.json`` without a GPU); rows of
 other methods / shapes already there are kept.
 
@@ -39,19 +51,17 @@ other methods / shapes already there are kept.
     python benchmarks/calibration_gpu.py --layers 4 --methods gptq-sym  # a few minutes, extrapolated to 32 layers
     python benchmarks/calibration_gpu.py --quick                        # tiny shape, seconds, CPU or GPU
 
-Issue 27 on an H100. One device call is 600 s, a session has 15 minutes of device time (machine start included),
-and every session starts a bare machine; the machine stays warm only 30 s between calls, so issue them back to back
-(``.cache/`` is ignored, so it stays on the machine between warm calls). The same command each call:
+Issue 27 on an H100: one device call (600 s; a session has 15 minutes of device time, the machine's start included),
+on a bare machine, nothing to build first:
 
-    LQE_BENCH_DIR=.cache/bench PYTHONUNBUFFERED=1 python benchmarks/calibration_gpu.py \
-        --methods gptq-asym-act --work-dir .cache/calib --stop-after-s 540 --out $OUT/calibration-h100.json
+    LQE_BUDGET_S=590 PYTHONUNBUFFERED=1 python benchmarks/calibration_gpu.py --methods gptq-asym-act \
+        --work-dir /tmp/calib --out $OUT/calibration-h100.json 2>&1 | tee $OUT/calibration.log
 
-  call 1: builds the shared 16 GB checkpoint (2-3 min), then GPTQ W4 g128 asym act-order until 540 s, exit 3;
-  call 2: GPTQ to its end (its row: the seconds of both calls, ~6-8 min of calibration), exit 0.
-That is a session's device time: GPTQ takes a GPU session of its own (after the gate's), and ``recipe-asym``
-(~14 min of layers at its floor, past one session) another, ``--methods recipe-asym --layers 8`` extrapolated, until
-sessions get more device time. Copy ``$OUT/calibration-h100.json`` (each call rewrites it whole) to
-``benchmarks/results/calibration-nvidia-h100-80gb-hbm3.json``.
+(run's timeout_s 600): setup ~10 s, 32 layers at ~12 s, the writer ~50 s; exit 0 and a complete row, or exit 3 and
+a partial one (per-layer seconds, peak memory, the 32-layer extrapolation) if the layers run slower than that. Copy
+``$OUT/calibration-h100.json`` to ``benchmarks/results/calibration-nvidia-h100-80gb-hbm3.json``. ``recipe-asym``
+(~14 min of layers at its floor) does not fit one call: ``--methods recipe-asym --layers 8`` extrapolated, or its
+partial row from the same one-call command.
 """
 
 from __future__ import annotations
@@ -73,7 +83,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import torch  # noqa: E402
 
-from common import env_info, write_random_checkpoint  # noqa: E402
+from common import RandomCheckpointReader, env_info, write_random_checkpoint  # noqa: E402
 from e2e_gpu import SHAPES as E2E_SHAPES, build_random_model  # noqa: E402
 
 LLAMA3_8B = E2E_SHAPES["llama3-8b"][1]  # e2e_gpu.py's config of the shape: its checkpoint is this one's
@@ -98,17 +108,45 @@ METHODS = {
 DEFAULT_METHODS = "gptq-sym,gptq-asym,awq,rtn"
 SHARD_BYTES = 4 << 30
 GPTQ_BLOCK = 128
+BUDGET_MARGIN_S = 20.0  # kept from LQE_BUDGET_S: the pause's own save and exit, the call's transfers
 KERNELS_PER_COLUMN = 13  # GPTQ's inner loop: divide, round, add, clamp, cast, store, 4 error ops, outer product, 2 updates
 
 
 # ------------------------------------------------------------------------------------------------ checkpoint
-def build_checkpoint(fields: dict, out_dir: Path, seed: int) -> Path:
-    """A bf16 safetensors Llama checkpoint with N(0, 0.02) weights and unit norms (reused when present)."""
+def llama_config(fields: dict):
+    """The Llama config (bf16) of ``fields``, and its model class."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(**fields, torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1)
     config.architectures = ["LlamaForCausalLM"]
-    return write_random_checkpoint(config, LlamaForCausalLM, out_dir, seed, SHARD_BYTES)
+    return config, LlamaForCausalLM
+
+
+def build_checkpoint(fields: dict, out_dir: Path, seed: int) -> Path:
+    """A bf16 safetensors Llama checkpoint with N(0, 0.02) weights and unit norms (reused when present)."""
+    config, model_cls = llama_config(fields)
+    return write_random_checkpoint(config, model_cls, out_dir, seed, SHARD_BYTES)
+
+
+def random_source(fields: dict, config_dir: Path, seed: int) -> tuple[Path, RandomCheckpointReader]:
+    """``--source random``: the checkpoint of ``fields`` drawn as calibration reads it (common.RandomCheckpointReader,
+    on the GPU when there is one; nothing on disk but ``config_dir/config.json``), and that folder."""
+    config, model_cls = llama_config(fields)
+    reader = RandomCheckpointReader(config, model_cls, seed)
+    reader.save_config(config_dir)
+    return config_dir, reader
+
+
+def budget_stop_after(stop_after_s: float | None, env: dict | None = None) -> float | None:
+    """The effective ``--stop-after-s``: with ``LQE_BUDGET_S`` set (the seconds the device call has left when the
+    script starts, as in benchmarks/stages/budget.sh), at most that less :data:`BUDGET_MARGIN_S`, so the script pauses
+    (state saved, a partial row written, exit 3) before the call is killed."""
+    env = os.environ if env is None else env
+    budget = env.get("LQE_BUDGET_S")
+    if not budget:
+        return stop_after_s
+    limit = float(budget) - BUDGET_MARGIN_S
+    return limit if stop_after_s is None else min(stop_after_s, limit)
 
 
 def e2e_model_dir(shape: str) -> Path:
@@ -340,17 +378,15 @@ def resolve_offload(args, name: str, fields: dict) -> bool:
 
 def resume_key(args, name: str, model_dir: Path, offload: bool, device: torch.device) -> dict:
     return {"shape": args.shape, "layers": args.layers_built, "seed": args.seed, "model_dir": str(model_dir),
+            "source": args.source,
             "num_samples": args.num_samples, "seq_len": args.seq_len, "batch_size": args.batch_size,
             "group_size": args.group_size, "method": name, "offload_activations": offload, "device": str(device)}
 
 
-def run_method(name: str, model_dir: Path, out_dir: Path, args, ids: torch.Tensor, device: torch.device,
-               fields: dict, rates: dict, ckpt=None) -> dict:
-    """One method's row; with ``ckpt`` (a LayerCheckpoint) the calibration resumes from its saved state and may stop
-    (CalibrationStopped, after saving) when its deadline comes."""
-    from tools.convert.quantize import CalibOptions, quantize_checkpoint
+def method_setup(name: str, args, ids: torch.Tensor, device: torch.device, fields: dict):
+    """``name``'s quantization method, ExportSpec, CalibOptions, and the fields its rows share (partial ones too)."""
+    from tools.convert.quantize import CalibOptions
     from tools.convert.spec import ExportSpec
-    from tools.convert.resume import resumable
 
     method, spec_fields, *rest = METHODS[name]
     opts_fields = rest[0] if rest else {}
@@ -358,6 +394,32 @@ def run_method(name: str, model_dir: Path, out_dir: Path, args, ids: torch.Tenso
     spec = ExportSpec(**{"group_size": args.group_size, **spec_fields})
     opts = CalibOptions(num_samples=ids.shape[0], seq_len=ids.shape[1], batch_size=args.batch_size, device=str(device),
                         offload_activations=offload, **opts_fields)
+    floor = layer_floor(fields, ids.numel(), ids.shape[1], method, args.rates, drift=spec.drift_alpha > 0,
+                        refine_passes=opts.refine_passes, rotate=opts.rotate is not None, zeros=not spec.sym)
+    plan = memory_plan(fields, ids.shape[0], ids.shape[1], args.batch_size, name, offload, device.type,
+                       args.group_size)
+    head = {"method": name, "quant_method": method, "source": args.source, "bits": spec.bits,
+            "group_size": spec.group_size, "sym": spec.sym, "desc_act": spec.desc_act,
+            "flags": {k: v for k, v in {**spec_fields, **opts_fields}.items()
+                      if k not in ("fmt", "bits", "group_size", "sym", "desc_act")},
+            "offload_activations": offload}
+    tail = {"floor_s_per_layer": float(f"{floor['floor_s']:.4g}"),
+            "floor": {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in floor.items()},
+            "planned_peak_gib": round(plan["peak"] / 2**30, 3), "planned_peak_phase": plan["peak_phase"],
+            "setup_seconds": round(args.setup_s, 2)}
+    return method, spec, opts, head, tail
+
+
+def run_method(name: str, model_dir: Path, out_dir: Path, args, ids: torch.Tensor, device: torch.device,
+               fields: dict, rates: dict, ckpt=None, reader=None) -> dict:
+    """One method's row; with ``ckpt`` (a LayerCheckpoint) the calibration resumes from its saved state and may stop
+    (CalibrationStopped, after saving) when its deadline comes. ``reader``: the checkpoint's tensors (None: read
+    from ``model_dir``'s shards)."""
+    from tools.convert.quantize import quantize_checkpoint
+    from tools.convert.resume import resumable
+
+    args.rates = rates
+    method, spec, opts, head, tail = method_setup(name, args, ids, device, fields)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -366,9 +428,10 @@ def run_method(name: str, model_dir: Path, out_dir: Path, args, ids: torch.Tenso
     if ckpt is not None:
         with resumable(ckpt):
             _, res = quantize_checkpoint(str(model_dir), str(out_dir), method, spec, opts, overwrite=True,
-                                         input_ids=ids)
+                                         input_ids=ids, reader=reader)
     else:
-        _, res = quantize_checkpoint(str(model_dir), str(out_dir), method, spec, opts, overwrite=True, input_ids=ids)
+        _, res = quantize_checkpoint(str(model_dir), str(out_dir), method, spec, opts, overwrite=True, input_ids=ids,
+                                     reader=reader)
     total = time.perf_counter() - t0
     shutil.rmtree(out_dir, ignore_errors=True)
     before = ckpt.previous_calls if ckpt is not None else []
@@ -376,24 +439,15 @@ def run_method(name: str, model_dir: Path, out_dir: Path, args, ids: torch.Tenso
     layers = len(res.layer_seconds)
     per_layer = statistics.median(res.layer_seconds) if res.layer_seconds else 0.0
     fixed = max(0.0, calib - sum(res.layer_seconds))
-    floor = layer_floor(fields, ids.numel(), ids.shape[1], method, rates, drift=spec.drift_alpha > 0,
-                        refine_passes=opts.refine_passes, rotate=opts.rotate is not None, zeros=not spec.sym)
     errors = [e for e in res.layer_errors if e is not None]
-    plan = memory_plan(fields, ids.shape[0], ids.shape[1], args.batch_size, name, offload, device.type,
-                       args.group_size)
-    row = {"method": name, "quant_method": method, "bits": spec.bits, "group_size": spec.group_size, "sym": spec.sym,
-           "desc_act": spec.desc_act, "flags": {k: v for k, v in {**spec_fields, **opts_fields}.items()
-                                                 if k not in ("fmt", "bits", "group_size", "sym", "desc_act")},
-           "offload_activations": offload, "layers": layers, "calib_seconds": round(calib, 2),
+    floor_s = tail["floor"]["floor_s"]
+    row = {**head, "complete": True, "layers": layers, "calib_seconds": round(calib, 2),
            "seconds": round(calib + total - res.seconds, 2), "write_seconds": round(total - res.seconds, 2),
            "layer_seconds_median": round(per_layer, 3), "fixed_seconds": round(fixed, 2),
            "extrapolated_seconds": round(fixed + per_layer * args.full_layers, 1),
-           "floor_s_per_layer": float(f"{floor['floor_s']:.4g}"),
-           "vs_floor": round(per_layer / floor["floor_s"], 2) if floor["floor_s"] else None,
+           "vs_floor": round(per_layer / floor_s, 2) if floor_s else None,
            "mean_layer_error": round(statistics.mean(errors), 6) if errors else None,
-           "floor": {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in floor.items()},
-           "planned_peak_gib": round(plan["peak"] / 2**30, 3), "planned_peak_phase": plan["peak_phase"],
-           "resumed": bool(before), "calls": len(before) + 1}
+           **tail, "resumed": bool(before), "calls": len(before) + 1}
     if before:
         row["seconds_per_call"] = [c["seconds"] for c in before] + [round(res.seconds, 2)]
     if device.type == "cuda":
@@ -402,6 +456,37 @@ def run_method(name: str, model_dir: Path, out_dir: Path, args, ids: torch.Tenso
         row["peak_gpu_gib"] = round(peak / 2**30, 3)
         row["peak_gpu_reserved_gib"] = round(reserved / 2**30, 3)
         row["peak_gpu_gib_above_start"] = round((torch.cuda.max_memory_allocated(device) - base) / 2**30, 3)
+    return row
+
+
+def partial_row(name: str, args, ids: torch.Tensor, device: torch.device, fields: dict, ckpt, tail_s: float) -> dict:
+    """The row of a calibration paused before its end (CalibrationStopped; its state just saved by ``ckpt``): the
+    layers done, their median seconds, the 32-layer seconds extrapolated from them (the fixed part so far, this pause's
+    save left out, + median x the shape's layers; ``extrapolated_with_tail_s`` adds ``--tail-s``, the
+    allowance for the LM head and the writer), the peak device memory of every call so far; ``complete`` false and
+    ``paused_before_layer``. A complete row of the method replaces it."""
+    _, _, _, head, tail = method_setup(name, args, ids, device, fields)
+    state = ckpt.read_state()
+    done, secs, calls = state["next_layer"], state["layer_seconds"], state["calls"]
+    calib = sum(c["seconds"] for c in calls) - state.get("save_seconds", 0.0)
+    per_layer = statistics.median(secs) if secs else 0.0
+    fixed = max(0.0, calib - sum(secs))
+    errors = [e for e in state["layer_errors"] if e is not None]
+    floor_s = tail["floor"]["floor_s"]
+    row = {**head, "complete": False, "paused_before_layer": done, "layers": args.layers_built, "layers_done": done,
+           "calib_seconds": round(calib, 2), "layer_seconds": [round(t, 3) for t in secs],
+           "layer_seconds_median": round(per_layer, 3), "fixed_seconds": round(fixed, 2),
+           "extrapolated_seconds": round(fixed + per_layer * args.full_layers, 1),
+           "extrapolated_with_tail_s": round(fixed + per_layer * args.full_layers + tail_s, 1),
+           "vs_floor": round(per_layer / floor_s, 2) if floor_s and per_layer else None,
+           "mean_layer_error": round(statistics.mean(errors), 6) if errors else None,
+           **tail, "calls": len(calls), "seconds_per_call": [c["seconds"] for c in calls],
+           "stop_after_s": args.stop_after_s}
+    if device.type == "cuda":
+        peak = max([torch.cuda.max_memory_allocated(device)] + [c.get("peak_allocated", 0) for c in calls])
+        reserved = max([torch.cuda.max_memory_reserved(device)] + [c.get("peak_reserved", 0) for c in calls])
+        row["peak_gpu_gib"] = round(peak / 2**30, 3)
+        row["peak_gpu_reserved_gib"] = round(reserved / 2**30, 3)
     return row
 
 
@@ -425,10 +510,15 @@ def main(argv: list[str] | None = None) -> int:
                          "state live")
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/calibration-<gpu>.json)")
     ap.add_argument("--quick", action="store_true", help="tiny shape, 4 x 32 tokens: a smoke run of seconds")
+    ap.add_argument("--source", default="random", choices=("random", "disk"),
+                    help="random (default): the random checkpoint drawn on the device as calibration reads it, "
+                         "nothing written first (common.RandomCheckpointReader); disk: a bf16 safetensors checkpoint "
+                         "(e2e_gpu.py's for the whole shape, else an N-layer one built under --work-dir)")
     ap.add_argument("--build-only", action="store_true", help="write the checkpoint and the calibration tokens, exit")
     ap.add_argument("--stop-after-s", type=float, default=None,
-                    help="stop between decoder layers (state saved under --work-dir, exit 3) before this many seconds "
-                         "from the start; the same command again resumes")
+                    help="stop between decoder layers (state saved under --work-dir, a partial row written, exit 3) "
+                         "before this many seconds from the start; the same command again resumes. With LQE_BUDGET_S "
+                         f"set (the device call's seconds left): at most LQE_BUDGET_S - {BUDGET_MARGIN_S:.0f}")
     ap.add_argument("--save-every", type=int, default=0,
                     help="also save the state after every N layers (0: only when stopping; each save writes the "
                          "activations, 4-8 GiB on the 8B shape)")
@@ -462,27 +552,42 @@ def main(argv: list[str] | None = None) -> int:
         fields["num_hidden_layers"] = args.layers
     layers = args.layers_built = fields["num_hidden_layers"]
     work = Path(args.work_dir)
+    args.stop_after_s = budget_stop_after(args.stop_after_s)
     t0 = time.perf_counter()
-    if layers == args.full_layers and args.shape in E2E_SHAPES:  # the whole shape: e2e_gpu.py's checkpoint
+    reader = None
+    if args.source == "random":
+        model_dir, reader = random_source(fields, work / f"{args.shape}-{layers}l-random-config", args.seed)
+        print(f"[{args.shape}, {layers} layers] random bf16 checkpoint drawn on {reader.draw_device} as it is read "
+              f"({reader.nbytes() / 1e9:.1f} GB, nothing on disk; config in {model_dir}): set up in "
+              f"{time.perf_counter() - t0:.1f}s, {time.monotonic() - T_START:.1f}s from the start", flush=True)
+    elif layers == args.full_layers and args.shape in E2E_SHAPES:  # the whole shape: e2e_gpu.py's checkpoint
         model_dir, shared = shared_random_model(args.shape, args.seed, work / f"{args.shape}-{layers}l-seed{args.seed}")
     else:
         model_dir, shared = build_checkpoint(fields, work / f"{args.shape}-{layers}l-seed{args.seed}", args.seed), False
-    print(f"[{args.shape}, {layers} layers] random bf16 checkpoint at {model_dir}{' (e2e_gpu.py s)' if shared else ''} "
-          f"({time.perf_counter() - t0:.0f}s)", flush=True)
+    if reader is None:
+        print(f"[{args.shape}, {layers} layers] random bf16 checkpoint at {model_dir}"
+              f"{' (e2e_gpu.py s)' if shared else ''} ({time.perf_counter() - t0:.0f}s)", flush=True)
     ids = calibration_ids(work, fields["vocab_size"], args.num_samples, args.seq_len, args.seed)
     if args.build_only:
         print(f"built: {model_dir} and {args.num_samples} x {args.seq_len} calibration tokens in {work}")
         return 0
-    rates = measured_rates(device)
+    rates = args.rates = measured_rates(device)
     print(f"[{device}] measured: fp32 matmul {rates['fp32_flops'] / 1e12:.1f} TFLOP/s, fp64 "
           f"{rates['fp64_flops'] / 1e12:.1f} TFLOP/s, {rates['launch_s'] * 1e6:.1f} us per small kernel", flush=True)
     out_path = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"calibration-{slug(device)}.json"
     old = json.loads(out_path.read_text()).get("rows", []) if out_path.exists() else []
-    key = ("shape", "layers", "num_samples", "seq_len", "method", "offload_activations")
+    key = ("shape", "layers", "num_samples", "seq_len", "method", "offload_activations", "source")
     rows = {tuple(r.get(k) for k in key): r for r in old}
-    ckpt_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    from tools.convert.writer import CheckpointReader
+
+    src = reader if reader is not None else CheckpointReader(str(model_dir))  # (shard headers only)
+    ckpt_bytes = sum(t.numel() * t.element_size() for t in src.meta.values())
     tail_s = args.tail_s if args.tail_s is not None else 20.0 + 2.0 * ckpt_bytes / 1e9
     deadline = None if args.stop_after_s is None else T_START + args.stop_after_s
+    args.setup_s = time.monotonic() - T_START
+    print(f"setup: {args.setup_s:.1f}s from the start"
+          + (f"; stopping by {args.stop_after_s:.0f}s (tail {tail_s:.0f}s)" if deadline is not None else ""),
+          flush=True)
     paused = progressed = False
     for name in methods:
         offload = resolve_offload(args, name, fields)
@@ -498,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
             except ConvertError as e:
                 print(f"[{name}] {e}: starting again", flush=True)
                 ckpt.clear()
-        if done.exists() and args.stop_after_s is not None:
+        if done.exists() and deadline is not None:
             saved = json.loads(done.read_text())
             if saved["key"] == ckpt.key:
                 row = saved["row"]
@@ -513,13 +618,22 @@ def main(argv: list[str] | None = None) -> int:
             break
         progressed = True  # (a call always makes progress: one layer at least, see LayerCheckpoint)
         try:
-            row = run_method(name, model_dir, work / f"out-{name}", args, ids, device, fields, rates, ckpt)
+            row = run_method(name, model_dir, work / f"out-{name}", args, ids, device, fields, rates, ckpt, reader)
         except CalibrationStopped as e:
             shutil.rmtree(work / f"out-{name}", ignore_errors=True)
             print(f"[{name}] PAUSED before layer {e.next_layer} of {e.num_layers} after "
                   f"{time.monotonic() - T_START:.0f}s: state in {e.path}; run the same command again to continue",
                   flush=True)
             paused = True
+            row = {"shape": args.shape, "num_samples": args.num_samples, "seq_len": args.seq_len,
+                   "batch_size": args.batch_size, "device": str(device),
+                   **partial_row(name, args, ids, device, fields, ckpt, tail_s)}
+            rows[tuple(row.get(k) for k in key)] = row
+            print(f"[{name}] partial: {row['layers_done']} of {row['layers']} layers, "
+                  f"{row['layer_seconds_median']:.3g}s/layer (median), extrapolated to {args.full_layers} layers: "
+                  f"{row['extrapolated_seconds']:.1f}s ({row['extrapolated_with_tail_s']:.1f}s with the tail)"
+                  + (f"; peak GPU memory so far {row['peak_gpu_gib']:.2f} GiB allocated, "
+                     f"{row['peak_gpu_reserved_gib']:.2f} reserved" if "peak_gpu_gib" in row else ""), flush=True)
             break
         row = {"shape": args.shape, "num_samples": args.num_samples, "seq_len": args.seq_len,
                "batch_size": args.batch_size, "device": str(device), **row}

@@ -1,4 +1,5 @@
-"""Shared helpers for the benchmarks: environment record and random prompts."""
+"""Shared helpers for the benchmarks: environment record, random prompts, random checkpoints (on disk, or drawn as
+read: :class:`RandomCheckpointReader`)."""
 from __future__ import annotations
 
 import contextlib
@@ -8,10 +9,17 @@ import random
 import subprocess
 import sys
 import threading
+import zlib
 
 import torch
 
 from lqe.kernels.device_info import cuda_fault
+
+try:
+    from tools.convert.writer import CheckpointReader
+except ImportError:  # a benchmark run from elsewhere, with only benchmarks/ on the path
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tools.convert.writer import CheckpointReader
 
 
 def commit() -> str | None:
@@ -66,10 +74,7 @@ def write_random_checkpoint(config, model_cls, out_dir, seed: int, shard_bytes: 
 
     if (out_dir / "config.json").exists():
         return out_dir
-    with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in model_cls(config).state_dict().items()}
-    if config.tie_word_embeddings:
-        shapes.pop("lm_head.weight", None)
+    shapes = random_checkpoint_shapes(config, model_cls)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -99,6 +104,74 @@ def write_random_checkpoint(config, model_cls, out_dir, seed: int, shard_bytes: 
     (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     tmp.rename(out_dir)
     return out_dir
+
+
+def random_checkpoint_shapes(config, model_cls) -> dict[str, tuple[int, ...]]:
+    """The tensors :func:`write_random_checkpoint` writes (and :class:`RandomCheckpointReader` draws): the state dict
+    of ``model_cls(config)`` built on the meta device, in its order, ``lm_head.weight`` dropped when tied."""
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in model_cls(config).state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    return shapes
+
+
+class RandomCheckpointReader(CheckpointReader):
+    """A random bf16 checkpoint that never touches the disk: the ``tools.convert`` reader of the tensors
+    :func:`write_random_checkpoint` would write for ``config`` / ``model_cls`` (same names, shapes, dtype and order;
+    N(0, 0.02) weights, unit norms), each drawn when it is read, on the GPU when there is one (``draw_device``),
+    straight in bf16 (no fp32 temporary of a 1 GB embedding), from a generator seeded by ``seed`` and the tensor's
+    name: a tensor is the same every time it is read (a resumed calibration reads its layers again), whatever was
+    read before. The values are not :func:`write_random_checkpoint`'s (it draws all tensors from one generator).
+
+    ``model_dir``: where ``quantize_checkpoint`` finds config.json (see :meth:`save_config`): pass the reader as its
+    ``reader`` and it reads no shard."""
+
+    def __init__(self, config, model_cls, seed: int = 0, model_dir: str | os.PathLike | None = None,
+                 draw_device: torch.device | str | None = None) -> None:
+        self.config, self.seed = config, seed
+        self.model_dir = None if model_dir is None else str(model_dir)
+        self.draw_device = torch.device(draw_device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.files: dict[str, str] = {}
+        self.meta = {k: torch.empty(s, dtype=torch.bfloat16, device="meta")
+                     for k, s in random_checkpoint_shapes(config, model_cls).items()}
+
+    def nbytes(self) -> int:
+        """The checkpoint's size in bytes (what its safetensors files would hold)."""
+        return sum(t.numel() * t.element_size() for t in self.meta.values())
+
+    def save_config(self, model_dir: str | os.PathLike) -> str:
+        """Write config.json (nothing else) into ``model_dir``, which becomes the reader's; returns it."""
+        os.makedirs(model_dir, exist_ok=True)
+        self.config.save_pretrained(str(model_dir))
+        self.model_dir = str(model_dir)
+        return self.model_dir
+
+    def tensor_seed(self, key: str) -> int:
+        return (self.seed * 0x9E3779B1 + zlib.crc32(key.encode())) % (1 << 63)
+
+    def draw(self, key: str) -> torch.Tensor:
+        """Tensor ``key`` on :attr:`draw_device`, in bf16."""
+        shape = tuple(self.meta[key].shape)
+        dev = self.draw_device
+        if key.endswith("norm.weight"):
+            return torch.ones(shape, dtype=torch.bfloat16, device=dev)
+        gen = torch.Generator(device=dev).manual_seed(self.tensor_seed(key))
+        return torch.randn(shape, generator=gen, dtype=torch.bfloat16, device=dev).mul_(0.02)
+
+    def get_many(self, keys: list[str], device: torch.device | str | None = None,
+                 float_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        from tools.convert.spec import ConvertError
+
+        missing = [k for k in keys if k not in self.meta]
+        if missing:
+            raise ConvertError(f"random checkpoint: no tensor {', '.join(missing[:4])}"
+                               f"{' ...' if len(missing) > 4 else ''}")
+        out: dict[str, torch.Tensor] = {}
+        for k in keys:
+            t = self.draw(k).to("cpu" if device is None else device)  # (the base class: on the CPU by default)
+            out[k] = t.to(float_dtype) if float_dtype is not None else t
+        return out
 
 
 # ------------------------------------------------------------------------------------------------ device faults

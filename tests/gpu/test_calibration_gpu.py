@@ -143,3 +143,36 @@ def test_peak_memory_is_about_one_layer(checkpoints, tmp_path):
     assert peak <= bound, (f"peak {peak / 2**20:.1f} MiB above the start, bound {bound / 2**20:.1f} MiB (one layer "
                            f"{layer / 2**20:.1f} MiB, the whole model {whole / 2**20:.1f} MiB)")
     assert torch.cuda.memory_allocated(dev) - base < layer, "calibration left tensors on the GPU"
+
+
+def test_random_reader_draws_on_the_gpu_and_calibrates_from_it(tmp_path):
+    """Issue 27's one-call source: benchmarks/common.RandomCheckpointReader draws each tensor on the GPU in bf16, the
+    same at every read (a resumed calibration reads layers again), and a CUDA calibration reads every float tensor
+    from it: nothing but config.json on disk."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                    "benchmarks"))
+    import calibration_gpu as cg
+    from common import RandomCheckpointReader
+
+    config, model_cls = cg.llama_config(dict(cg.TINY))
+    reader = RandomCheckpointReader(config, model_cls, seed=0)
+    assert reader.draw_device.type == "cuda"
+    keys = reader.keys()
+    a = reader.get_many(keys, "cuda", torch.float32)
+    b = reader.get_many(list(reversed(keys)), "cpu")
+    for k in keys:
+        assert a[k].device.type == "cuda" and a[k].dtype == torch.float32 and b[k].dtype == torch.bfloat16
+        assert torch.equal(a[k].cpu(), b[k].float()), k
+    cfg_dir = reader.save_config(str(tmp_path / "cfg"))
+    ids = _ids(config.vocab_size, 4, 32)
+    from tools.convert import ExportSpec
+    from tools.convert.quantize import CalibOptions, quantize_checkpoint
+
+    opts = CalibOptions(num_samples=4, seq_len=32, batch_size=2, device="cuda")
+    _, res = quantize_checkpoint(cfg_dir, str(tmp_path / "out"), "gptq",
+                                 ExportSpec(fmt="gptq_v2", sym=False, desc_act=True, group_size=64), opts,
+                                 overwrite=True, input_ids=ids, reader=reader)
+    assert sorted(os.listdir(cfg_dir)) == ["config.json"] and len(res.layer_seconds) == config.num_hidden_layers
+    assert 0 < statistics.mean(res.layer_errors) < 1

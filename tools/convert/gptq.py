@@ -9,10 +9,14 @@ scale rounded to the storage dtype first, so the error feedback sees exactly the
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from lqe.kernels.canonical import CanonicalWeight, build_canonical
 from lqe.quant_layers.reference import num_groups, rtn_quantize
+
+logger = logging.getLogger("lqe.convert")
 
 
 class HessianAccumulator:
@@ -104,6 +108,43 @@ def _group_params(w_cols: torch.Tensor, bits: int, sym: bool, scale_dtype: torch
     return best_scale, best_zero
 
 
+DAMP_RETRIES = 4  # a Hessian that is not positive definite once damped: tried again with 10x the damping, this often
+
+
+def _inverse_upper_factor(damped, damp: float, k: int) -> torch.Tensor:
+    """The upper Cholesky factor of ``H^-1`` for ``H = damped(damp)``, float64 (GPTQ's ``Hinv``). When ``H`` is not
+    positive definite (a rank-deficient or numerically indefinite Hessian: a Cholesky step fails), it warns and tries
+    again with ten times the damping (0.01 from none), up to :data:`DAMP_RETRIES` times; the first attempt is the
+    plain computation, so a Hessian that factors gives the same bits as without retries. K x K float64 matrices
+    alive at once: two (H and its factor; the factor inverted in place and cuSOLVER's copy; the inverse and its upper
+    factor)."""
+    d = damp
+    for attempt in range(DAMP_RETRIES + 1):
+        h = damped(d)
+        hinv, info = torch.linalg.cholesky_ex(h)
+        del h  # each K x K float64 step frees the one before it
+        failed = "H"
+        if not info.item():
+            torch.cholesky_inverse(hinv, out=hinv)  # in place: the factor is column-major, which out= uses as it is
+            upper, info = torch.linalg.cholesky_ex(hinv, upper=True)
+            del hinv
+            if not info.item():
+                return upper
+            del upper
+            failed = "H^-1"
+        else:
+            del hinv
+        nxt = d * 10 if d > 0 else 0.01
+        if attempt == DAMP_RETRIES:
+            raise torch.linalg.LinAlgError(
+                f"GPTQ: the damped Hessian is not positive definite (Cholesky of {failed} failed) with damping "
+                f"{damp:g} to {d:g} x mean(diag(H)); the layer's calibration inputs may hold inf / NaN")
+        logger.warning("GPTQ: the Hessian (K=%d) damped by %g x mean(diag) is not positive definite (Cholesky of %s "
+                       "failed): trying again with %g", k, d, failed, nxt)
+        d = nxt
+    raise AssertionError("not reached")
+
+
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int, sym: bool,
                   damp: float = 0.01, act_order: bool = False, static_groups: bool = False, block_size: int = 128,
                   scale_dtype: torch.dtype = torch.float16, mse: bool = False) -> CanonicalWeight:
@@ -122,23 +163,25 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
         static = [_group_params(w[:, i:i + g], bits, sym, scale_dtype, mse) for i in range(0, k, g)]
     # K x K float64 matrices alive beside the caller's H: two at most (the working copy of H and its factor; the
     # factor inverted in place and cuSOLVER's working copy of it; the inverse and its upper factor)
-    if act_order:  # one gather of H's rows and columns in the new order: no unpermuted copy first
+    if act_order:
         perm = torch.argsort(torch.where(dead, 1.0, diag), descending=True)  # a dead column's diagonal counts as 1
         w = w[:, perm]
-        h = hessian[perm[:, None], perm[None, :]]
-        h.diagonal()[dead[perm]] = 1
     else:
         perm = torch.arange(k, device=dev)
-        h = hessian.clone()
-        h.diagonal()[dead] = 1
     del diag
+
+    def damped(d: float) -> torch.Tensor:  # H (permuted, dead columns' diagonal 1) + d * mean(diag) * I
+        if act_order:  # one gather of H's rows and columns in the new order: no unpermuted copy first
+            h = hessian[perm[:, None], perm[None, :]]
+            h.diagonal()[dead[perm]] = 1
+        else:
+            h = hessian.clone()
+            h.diagonal()[dead] = 1
+        h.diagonal().add_(d * torch.mean(torch.diag(h)))  # without an identity matrix
+        return h
+
     perm_cols = perm.tolist() if static_groups else []
-    h.diagonal().add_(damp * torch.mean(torch.diag(h)))  # = h + damp * mean(diag) * I, without an identity matrix
-    hinv = torch.linalg.cholesky(h)
-    del h  # each K x K float64 step frees the one before it
-    torch.cholesky_inverse(hinv, out=hinv)  # in place: the factor is column-major, which out= then uses as it is
-    upper = torch.linalg.cholesky(hinv, upper=True)
-    del hinv  # before the float32 copy
+    upper = _inverse_upper_factor(damped, damp, k)
     hinv = upper.float()
     del upper
     codes = torch.zeros(n, k, dtype=torch.uint8, device=dev)

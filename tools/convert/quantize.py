@@ -236,7 +236,8 @@ def check_accuracy_options(method: str, opts: CalibOptions) -> None:
 
 def quantize_checkpoint(model_dir: str, out_dir: str, method: str, spec: ExportSpec, opts: CalibOptions | None = None,
                         overwrite: bool = False, *, device: str | torch.device | None = None, stream: bool = True,
-                        input_ids: torch.Tensor | None = None) -> tuple[ExportReport, QuantizeResult]:
+                        input_ids: torch.Tensor | None = None,
+                        reader: writer.CheckpointReader | None = None) -> tuple[ExportReport, QuantizeResult]:
     """Calibrate ``model_dir`` with ``method`` and write the checkpoint to ``out_dir``.
 
     ``device`` (default ``opts.device``): where calibration runs (``auto`` = cuda when a GPU is visible, else cpu).
@@ -244,7 +245,10 @@ def quantize_checkpoint(model_dir: str, out_dir: str, method: str, spec: ExportS
     the writer needs it.
     ``stream=False`` loads the whole model with ``from_pretrained`` and calibrates it in place on the CPU instead (the
     reference the streaming path is tested against). ``input_ids [num_samples, seq_len]`` replace the calibration
-    text of ``opts`` (benchmarks calibrate on random tokens)."""
+    text of ``opts`` (benchmarks calibrate on random tokens). ``reader`` (default: a
+    :class:`~tools.convert.writer.CheckpointReader` of ``model_dir``'s shards) is where every float tensor comes
+    from (benchmarks draw a random checkpoint as it is read); ``model_dir`` then needs only config.json (and the side
+    files the writer copies). It streams: not with ``stream=False``."""
     from transformers import AutoModelForCausalLM
 
     opts = opts or CalibOptions()
@@ -267,8 +271,11 @@ def quantize_checkpoint(model_dir: str, out_dir: str, method: str, spec: ExportS
     dev = resolve_device("cpu" if not stream and str(want) == "auto" else want)
     if not stream and dev.type != "cpu":
         raise ConvertError(f"the whole-model reference path (stream=False) runs on the CPU, not {dev}")
+    if reader is not None and not stream:
+        raise ConvertError("a given checkpoint reader streams its tensors: stream=False loads model_dir's shards")
     writer.check_out_dir(out_dir, overwrite)
-    reader = writer.CheckpointReader(model_dir)  # shard headers only
+    if reader is None:
+        reader = writer.CheckpointReader(model_dir)  # shard headers only
     names = linear_names(reader.meta, spec.quantize_lm_head)
     for name in names:
         spec.check_layer(name, *reader.meta[name + ".weight"].shape)

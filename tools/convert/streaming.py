@@ -84,16 +84,51 @@ def empty_weights() -> Iterator[None]:
         nn.Module.register_parameter = register
 
 
+def _fp32_precision_backends() -> list:
+    """The backends of torch's per-backend fp32 precision API (torch >= 2.9: ``torch.backends.cuda.matmul`` and
+    ``torch.backends.mkldnn.matmul``, each with ``fp32_precision``); none before it."""
+    mkldnn = getattr(torch.backends, "mkldnn", None)
+    found = []
+    for backend in (getattr(torch.backends.cuda, "matmul", None), getattr(mkldnn, "matmul", None)):
+        try:
+            if backend is not None and isinstance(backend.fp32_precision, str):
+                found.append(backend)
+        except (AttributeError, RuntimeError):
+            pass
+    return found
+
+
 @contextmanager
 def fp32_matmuls() -> Iterator[None]:
     """Full-precision fp32 matmuls inside (no TF32, whatever the process chose): Hessians and activations are fp32
-    sums. Usable as a decorator."""
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
+    sums. Usable as a decorator.
+
+    torch has two APIs for it, which must not be mixed: the legacy one (``set_float32_matmul_precision``) and, since
+    2.9, per backend ``torch.backends.cuda.matmul.fp32_precision = "ieee" | "tf32"`` (and mkldnn's). Once a process
+    set the new one (to tf32, say), the legacy getter raises ("mix of the legacy and new APIs"), and setting the new
+    one in a process on the legacy API makes legacy reads (``allow_tf32``) raise inside. So the guard keeps to the
+    API the process is on: the legacy one while its getter answers, else the new one (each backend's value saved,
+    set to ``ieee``, restored)."""
+    try:
+        before = torch.get_float32_matmul_precision()
+    except RuntimeError:  # the process set the new API
+        before = None
+    if before is not None:
+        torch.set_float32_matmul_precision("highest")
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(before)
+        return
+    backends = _fp32_precision_backends()
+    saved = [b.fp32_precision for b in backends]
+    for b in backends:
+        b.fp32_precision = "ieee"
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(before)
+        for b, value in zip(backends, saved):
+            b.fp32_precision = value
 
 
 def canonical_to(cw: CanonicalWeight, device: torch.device | str) -> CanonicalWeight:
