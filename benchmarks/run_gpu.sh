@@ -133,7 +133,9 @@ fi
 
 echo "== [5/5] calibration benchmark (llama3-8b shape, 4 layers, 128 x 2048 tokens; extrapolated to 32 layers)"
 if ! skip_stage calib; then
-  timeout "$(budget "${LQE_CALIB_TIMEOUT:-300}")" python benchmarks/calibration_gpu.py --out "$OUTDIR/calibration-$SLUG.json" \
+  # the script's own deadline (LQE_BUDGET_S: a clean pause between layers, a partial row) inside the timeout
+  calib_s=$(budget "${LQE_CALIB_TIMEOUT:-300}")
+  LQE_BUDGET_S=$calib_s timeout "$(budget "$calib_s")" python benchmarks/calibration_gpu.py --out "$OUTDIR/calibration-$SLUG.json" \
     ${LQE_CALIB_ARGS:---layers 4 --methods gptq-sym} 2>&1 | tee "$LOGDIR/calibration.txt" | grep "^\[\|^wrote" | tail -20
   stage_rc[calib]=${PIPESTATUS[0]}
   pack_logs
