@@ -161,12 +161,7 @@ class RandomCheckpointReader(CheckpointReader):
 
     def get_many(self, keys: list[str], device: torch.device | str | None = None,
                  float_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        from tools.convert.spec import ConvertError
-
-        missing = [k for k in keys if k not in self.meta]
-        if missing:
-            raise ConvertError(f"random checkpoint: no tensor {', '.join(missing[:4])}"
-                               f"{' ...' if len(missing) > 4 else ''}")
+        self.check_keys(keys)
         out: dict[str, torch.Tensor] = {}
         for k in keys:
             t = self.draw(k).to("cpu" if device is None else device)  # (the base class: on the CPU by default)

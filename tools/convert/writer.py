@@ -82,10 +82,7 @@ class CheckpointReader:
     def get_many(self, keys: list[str], device: torch.device | str | None = None,
                  float_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """``keys`` read from their shards onto ``device``, floating tensors cast to ``float_dtype`` (on the device)."""
-        missing = [k for k in keys if k not in self.meta]
-        if missing:
-            raise ConvertError(f"{self.model_dir}: the checkpoint has no tensor {', '.join(missing[:4])}"
-                               f"{' ...' if len(missing) > 4 else ''}")
+        self.check_keys(keys)
         by_file: dict[str, list[str]] = {}
         for k in keys:
             by_file.setdefault(self.files[k], []).append(k)
@@ -98,6 +95,13 @@ class CheckpointReader:
                         t = t.to(device)
                     out[k] = t.to(float_dtype) if float_dtype is not None and t.is_floating_point() else t
         return {k: out[k] for k in keys}
+
+    def check_keys(self, keys: list[str]) -> None:
+        """Raise naming the tensors ``keys`` asks for that the checkpoint does not have."""
+        missing = [k for k in keys if k not in self.meta]
+        if missing:
+            raise ConvertError(f"{self.model_dir}: the checkpoint has no tensor {', '.join(missing[:4])}"
+                               f"{' ...' if len(missing) > 4 else ''}")
 
     def get(self, key: str, device: torch.device | str | None = None,
             float_dtype: torch.dtype | None = None) -> torch.Tensor:
