@@ -521,13 +521,28 @@ def shutdown_llm(llm) -> None:
         print(f"# engine shutdown failed: {type(e).__name__}: {e}", flush=True)
 
 
+def check_table_honoured(kernels: str) -> None:
+    """A variant that selects a W4A16 table (VARIANT_ENV: LQE_WNA16_TABLE) must run its kernels: when the layers fell
+    back (the CUDA extension did not build, or the kernel declines the shapes), its row would report another
+    kernel's numbers under its name. Raise, naming what the layers run (``kernels``: the engine's
+    quant_description)."""
+    table = os.environ.get("LQE_WNA16_TABLE", "")
+    want = {"mma": "lqe-w4a16-mma (", "swap": "triton-wna16-swap"}.get(table)
+    if want and want not in kernels:
+        raise RuntimeError(f"LQE_WNA16_TABLE={table}: no layer runs {want.rstrip(' (')}; the layers run: "
+                           f"{kernels[:400]}")
+
+
 def run_variant(model_dir: Path, args, vocab: int, shape: str) -> dict:
     """One variant's row. Its engines are shut down on every way out (a raising measurement included), so a failed
     variant leaves no weights or KV cache behind for the next one (main then collects what is left)."""
     phases = Phases(getattr(args, "label", shape))
     llm = _llm(model_dir, args, eager=False)
     try:
+        kernels = llm.llm_engine.quant_description()
+        check_table_honoured(kernels)
         row = _graph_columns(llm, args, vocab, shape, phases)
+        row["quant_description"] = kernels
     finally:
         shutdown_llm(llm)
         llm = None

@@ -14,6 +14,9 @@ from triton_compat import patch as _patch_triton_interpreter  # noqa: E402
 _patch_triton_interpreter()
 
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+# the W4A16 table a benchmark variant selects (LQE_WNA16_TABLE=mma / swap) must not leak into the tests: those that
+# want one set it themselves (monkeypatch), the others assert the default table's kernels
+os.environ.pop("LQE_WNA16_TABLE", None)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -110,7 +110,7 @@ class _FakeLLM:
     def __init__(self):
         self.closed = 0
         runner = type("Runner", (), {"attention_backend": "stub", "graph_runner": None, "piecewise": None})()
-        self.llm_engine = type("Engine", (), {"runner": runner})()
+        self.llm_engine = type("Engine", (), {"runner": runner, "quant_description": lambda self: "224 x bf16"})()
 
     def shutdown(self):
         self.closed += 1
@@ -273,3 +273,22 @@ def test_e2e_file_feeds_compare_requested(stub_gpu, tmp_path, monkeypatch):
     assert compare_e2e.main([new, "--old", str(committed)]) == 0  # the w4a16 rows only listed as not measured
     assert compare_e2e.main([new, "--old", str(committed), "--requested"]) == 1
     assert os.path.exists(new)
+
+
+def test_a_table_variant_refuses_layers_that_fell_back(monkeypatch):
+    """w4a16-mma / w4a16-swap rows must measure their table's kernels: a layer that fell back (extension unbuilt)
+    fails the variant, naming what runs, instead of reporting another kernel's numbers under its name."""
+    import e2e_gpu
+
+    mma_desc = "224 x gptq 4-bit, lqe-w4a16-mma (bits=4, group_size=128, sym, K=4096, N=6144; M<=256: lqe-w4a16-mma)"
+    wna_desc = "224 x gptq 4-bit, lqe-wna16 (bits=4, group_size=128, sym, K=4096, N=6144; M<=256: triton-wna16)"
+    monkeypatch.delenv("LQE_WNA16_TABLE", raising=False)
+    e2e_gpu.check_table_honoured(wna_desc)  # the default table: nothing to check
+    with e2e_gpu.variant_env("w4a16-mma"):
+        e2e_gpu.check_table_honoured(mma_desc)
+        with pytest.raises(RuntimeError, match="LQE_WNA16_TABLE=mma: no layer runs lqe-w4a16-mma; the layers run: 224"):
+            e2e_gpu.check_table_honoured(wna_desc)
+    with e2e_gpu.variant_env("w4a16-swap"):
+        with pytest.raises(RuntimeError, match="swap"):
+            e2e_gpu.check_table_honoured(wna_desc)
+        e2e_gpu.check_table_honoured(wna_desc.replace("triton-wna16)", "triton-wna16-swap)"))

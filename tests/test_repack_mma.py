@@ -211,6 +211,53 @@ def test_tables_resolve_to_one_layout(monkeypatch):
     assert gemm.active_table() is dispatch.WNA16_TABLE
 
 
+def test_an_mma_table_that_cannot_be_honoured_says_so(monkeypatch, caplog):
+    """LQE_WNA16_TABLE=mma with the CUDA extension unbuilt: the layer takes the wna16 layout (Triton), and a warning
+    names why, once per reason (a benchmark's w4a16-mma row would otherwise report Triton numbers unnoticed)."""
+    import logging
+
+    from helpers import random_canonical
+    from lqe.kernels import gemm, triton_wna16
+
+    monkeypatch.setenv("LQE_WNA16_TABLE", "mma")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    monkeypatch.setattr(gemm, "_state", {"error": "nvcc failed (simulated)"})
+    monkeypatch.setattr(triton_wna16, "unavailable_reason", lambda d: None)
+    monkeypatch.setattr(gemm, "_to_device", lambda cw, d: cw)
+    monkeypatch.setattr(gemm, "_MMA_DECLINED", set())
+    cw = random_canonical(256, 128, 4, 128, True, False, seed=0)
+    with caplog.at_level(logging.WARNING, logger=gemm.log.name):
+        for _ in range(2):
+            kernel, desc = gemm.select_w4a16_kernel(cw, "cuda", torch.bfloat16)
+            assert desc.startswith("lqe-wna16 (") and "triton-wna16" in desc
+    warned = [r.getMessage() for r in caplog.records if "lqe-w4a16-mma" in r.getMessage()]
+    assert len(warned) == 1 and "nvcc failed (simulated)" in warned[0], warned
+
+
+def test_repack_out_of_memory_and_a_bad_table_are_raised(monkeypatch):
+    """The quant layer's kernel choice falls back to the torch paths on a broken build, but not when the GPU ran out
+    of memory while repacking (the fallback holds the codes in twice the memory) or LQE_WNA16_TABLE is wrong."""
+    import lqe.kernels as kernels
+    from helpers import random_canonical
+    from lqe.quant_layers import wna16_kernels
+
+    cw = random_canonical(256, 128, 4, 128, True, False, seed=0)
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(kernels, "select_w4a16_kernel", oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        wna16_kernels._external(cw, torch.device("cuda"), torch.bfloat16)
+    monkeypatch.setattr(kernels, "select_w4a16_kernel", lambda *a: (_ for _ in ()).throw(RuntimeError("broken build")))
+    assert wna16_kernels._external(cw, torch.device("cuda"), torch.bfloat16) == (
+        None, "lqe-wna16 failed: RuntimeError: broken build")
+    monkeypatch.setenv("LQE_WNA16_TABLE", "marlin")
+    with pytest.raises(ValueError, match="LQE_WNA16_TABLE"):
+        wna16_kernels._external(cw, torch.device("cuda"), torch.bfloat16)
+
+
 def test_mma_workspace_grows_and_keeps_what_graphs_captured_earlier_address():
     """The fp32 workspace and zeroed locks are one buffer per device, grown by reserve_workspace at load; a buffer a
     larger layer replaces stays alive (a graph captured for an earlier model still reads and writes it)."""

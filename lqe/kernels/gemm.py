@@ -125,6 +125,7 @@ def triton_reason(device: torch.device | str) -> str | None:
     return triton_wna16.unavailable_reason(device)
 
 
+_MMA_DECLINED: set[str] = set()  # reasons already logged by select_w4a16_kernel
 _TABLES = {"": "WNA16_TABLE", "default": "WNA16_TABLE", "mma": "WNA16_MMA_TABLE", "swap": "WNA16_SWAP_TABLE"}
 
 
@@ -282,6 +283,11 @@ def select_w4a16_kernel(canonical: CanonicalWeight, device: torch.device | str,
     if dtype not in (torch.float16, torch.bfloat16):
         reasons.append(f"activation dtype {dtype} (lqe-wna16 needs float16 or bfloat16)")
     use_mma = table_uses_mma() and mma_unsupported(canonical) is None and device.type == "cuda" and available()
+    if table_uses_mma() and not use_mma and device.type == "cuda":  # asked for, not given: say so, once per reason
+        why = mma_unsupported(canonical) or unavailable_reason() or "the lqe CUDA extension is not available"
+        if why not in _MMA_DECLINED:
+            _MMA_DECLINED.add(why)
+            log.warning("the W4A16 table names lqe-w4a16-mma, but layers run the lqe-wna16 layout instead: %s", why)
     shape_reason = None if use_mma else wna16_unsupported(canonical)
     if shape_reason:
         reasons.append(shape_reason)

@@ -263,12 +263,20 @@ class CudaWNA16(nn.Module):
 
 
 def _external(cw: CanonicalWeight, device: torch.device, act_dtype: torch.dtype) -> tuple[nn.Module | None, str]:
-    """The lqe CUDA kernel for ``cw`` or ``(None, why not)``; never raises (a broken build or an unexpected
-    repack error falls back to the torch paths with the error as the reason)."""
+    """The lqe CUDA kernel for ``cw`` or ``(None, why not)``. A broken build or an unexpected repack error falls
+    back to the torch paths with the error as the reason; two errors are the user's to see and are raised: a bad
+    ``LQE_WNA16_TABLE`` (ValueError, naming the values), and running out of GPU memory while repacking (the
+    fallback would keep the codes in twice the memory, and run slower)."""
     try:
         import lqe.kernels as kernels
-
+        from lqe.kernels.gemm import active_table
+    except Exception as e:  # noqa: BLE001 -- any failure here must leave the torch path usable
+        return None, f"lqe-wna16 failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    active_table()  # raises on a bad LQE_WNA16_TABLE
+    try:
         kernel, desc = kernels.select_w4a16_kernel(cw, device, act_dtype)
+    except torch.OutOfMemoryError:
+        raise
     except Exception as e:  # noqa: BLE001 -- any failure here must leave the torch path usable
         return None, f"lqe-wna16 failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     if kernel is None:
