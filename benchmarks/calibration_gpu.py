@@ -84,7 +84,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 import torch  # noqa: E402
 
 from common import RandomCheckpointReader, env_info, write_random_checkpoint  # noqa: E402
-from e2e_gpu import SHAPES as E2E_SHAPES, build_random_model  # noqa: E402
+from e2e_gpu import SHAPES as E2E_SHAPES, build_random_model, checkpoint_dir  # noqa: E402
 
 LLAMA3_8B = E2E_SHAPES["llama3-8b"][1]  # e2e_gpu.py's config of the shape: its checkpoint is this one's
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -149,11 +149,6 @@ def budget_stop_after(stop_after_s: float | None, env: dict | None = None) -> fl
     return limit if stop_after_s is None else min(stop_after_s, limit)
 
 
-def e2e_model_dir(shape: str) -> Path:
-    """Where e2e_gpu.py keeps the bf16 checkpoint of ``shape`` (its ``--work-dir`` default, ``<shape>/bf16``)."""
-    return Path(os.environ.get("LQE_BENCH_DIR", str(Path(tempfile.gettempdir()) / "lqe-e2e-models"))) / shape / "bf16"
-
-
 def same_random_model(model_dir: Path, fields: dict, seed: int) -> bool:
     """Whether ``model_dir`` is the random checkpoint of ``fields`` drawn with ``seed``: its config has the fields,
     and its first drawn tensor (``common.write_random_checkpoint`` draws them in the index's order from one generator,
@@ -177,11 +172,11 @@ def same_random_model(model_dir: Path, fields: dict, seed: int) -> bool:
 
 
 def shared_random_model(shape: str, seed: int, fallback: Path) -> tuple[Path, bool]:
-    """e2e_gpu.py's bf16 checkpoint of ``shape`` (:func:`e2e_model_dir`; built there with its ``build_random_model``
+    """e2e_gpu.py's bf16 checkpoint of ``shape`` (``e2e_gpu.checkpoint_dir``; built there with its ``build_random_model``
     when absent and ``seed`` is e2e_gpu.py's default, 0) when it is the model of this seed, else one built in
     ``fallback``; and whether it is e2e_gpu.py's."""
     fields = E2E_SHAPES[shape][1]
-    shared = e2e_model_dir(shape)
+    shared = checkpoint_dir(shape)
     if (shared / "config.json").exists():
         if same_random_model(shared, fields, seed):
             return shared, True

@@ -103,6 +103,18 @@ SHARD_BYTES = 4 << 30
 
 
 # ------------------------------------------------------------------------------------------------ models
+def default_work_dir() -> Path:
+    """Where random checkpoints are built and reused (``--work-dir``'s default): ``$LQE_BENCH_DIR``, else
+    ``<tmp>/lqe-e2e-models``."""
+    return Path(os.environ.get("LQE_BENCH_DIR", str(Path(tempfile.gettempdir()) / "lqe-e2e-models")))
+
+
+def checkpoint_dir(shape: str) -> Path:
+    """The bf16 random checkpoint of ``shape`` this script builds with its defaults (``<work dir>/<shape>/bf16``):
+    kv_cache_gpu.py, calibration_gpu.py and the engine stage's serving step share it."""
+    return default_work_dir() / shape / "bf16"
+
+
 def build_random_model(shape: str, out_dir: Path, seed: int) -> Path:
     """A bf16 safetensors checkpoint with the shape's config and N(0, 0.02) weights (norm weights 1)."""
     if (out_dir / "config.json").exists():
@@ -682,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--work-dir", default=os.environ.get("LQE_BENCH_DIR", str(Path(tempfile.gettempdir()) / "lqe-e2e-models")),
+    ap.add_argument("--work-dir", default=str(default_work_dir()),
                     help="where random checkpoints are built (and reused)")
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--quick", action="store_true", help="small shapes only, 32 requests (a smoke run)")

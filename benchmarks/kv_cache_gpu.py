@@ -34,10 +34,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,18 +45,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from common import env_info
-from e2e_gpu import SHAPES, build_random_model, decode_weight_bytes, environment
+from e2e_gpu import SHAPES, build_random_model, checkpoint_dir, decode_weight_bytes, environment
 from workload import peaks_for
 
 # name -> (kv_cache_dtype, kv_cache_key_rotation)
 VARIANTS = {"auto": ("auto", True), "fp8": ("fp8", True), "fp8-plain": ("fp8", False), "fp8-e5m2": ("fp8_e5m2", True)}
-
-
-def e2e_checkpoint_dir(shape: str) -> Path:
-    """Where e2e_gpu.py keeps (and builds) the bf16 random checkpoint of ``shape``: its ``--work-dir`` default
-    (``$LQE_BENCH_DIR``, else ``<tmp>/lqe-e2e-models``) / ``<shape>/bf16``."""
-    work = os.environ.get("LQE_BENCH_DIR", str(Path(tempfile.gettempdir()) / "lqe-e2e-models"))
-    return Path(work) / shape / "bf16"
 
 
 def hbm_bytes_per_s(override_gbs: float | None, device: str) -> tuple[float | None, str]:
@@ -292,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         model_dir = Path(args.model)
     else:
-        target = (Path(args.work_dir) / args.shape / "bf16") if args.work_dir else e2e_checkpoint_dir(args.shape)
+        target = (Path(args.work_dir) / args.shape / "bf16") if args.work_dir else checkpoint_dir(args.shape)
         model_dir = build_random_model(args.shape, target, args.seed)
         print(f"[{args.shape}] random bf16 checkpoint at {model_dir} ({time.perf_counter() - t0:.0f}s)", flush=True)
     res = {"shape": None if args.model else args.shape, "model": str(model_dir),

@@ -181,4 +181,4 @@ def test_default_settings_are_the_issue_targets():
     # none of the 64 requests finishes inside the window: max_tokens covers the ramp, the warm-up and the window
     ramp = kv_cache_gpu.ramp_steps_bound(a.batch, a.context, a.max_num_batched_tokens)
     assert 33 <= ramp <= 40
-    assert os.path.basename(kv_cache_gpu.e2e_checkpoint_dir("llama3-8b").parent) == "llama3-8b"
+    assert os.path.basename(kv_cache_gpu.checkpoint_dir("llama3-8b").parent) == "llama3-8b"

@@ -71,9 +71,8 @@ if ! skip e2e; then
 fi
 if ! skip serving && { serving_deps || { rc=1; false; }; }; then
   # TTFT / TPOT p50 / p99 through `lqe serve` (the qwen2.5-0.5b checkpoint of step "e2e")
-  model=$(python -c "import os, sys, tempfile; from pathlib import Path; sys.path.insert(0, 'benchmarks'); import e2e_gpu
-w = Path(os.environ.get('LQE_BENCH_DIR', Path(tempfile.gettempdir()) / 'lqe-e2e-models'))
-print(e2e_gpu.build_random_model('qwen2.5-0.5b', w / 'qwen2.5-0.5b' / 'bf16', 0))" | tail -1)
+  model=$(python -c "import sys; sys.path.insert(0, 'benchmarks'); import e2e_gpu
+print(e2e_gpu.build_random_model('qwen2.5-0.5b', e2e_gpu.checkpoint_dir('qwen2.5-0.5b'), 0))" | tail -1)
   # config:rate; "piecewise-async" adds the server flags below (--server-args takes the rest of the line: last)
   for run in default:16 piecewise-async:16 piecewise-async:inf; do
     cfg=${run%:*} rate=${run#*:} name="serving-$SLUG"

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from lqe.kernels import gemm
+from lqe.kernels.device_info import device_key
 from lqe.kernels.gemm import BLOCK_N, counters, ext, plan_slabs_per_split
 from lqe.kernels.repack import PackedW8A8, repack_w8a8, w8a8_unsupported
 
@@ -328,13 +329,6 @@ def _scaled_mm_to(xq: torch.Tensor, xs: torch.Tensor, wq_nk: torch.Tensor, ws: t
 _FP16_OUT_PROBED: dict[str, bool] = {}
 
 
-def _probe_key(device: torch.device | str) -> str:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return str(device)
-
-
 def fp8_scaled_mm_dtype(device: torch.device | str, out_dtype: torch.dtype) -> torch.dtype:
     """The output dtype to ask row-wise ``torch._scaled_mm`` for when the caller wants ``out_dtype``: bfloat16 (every
     torch writes it), or float16 itself where a one-time probe on this device (cached per device, like
@@ -345,7 +339,7 @@ def fp8_scaled_mm_dtype(device: torch.device | str, out_dtype: torch.dtype) -> t
     :func:`fp8_rowwise_reason` probe runs it first)."""
     if out_dtype != torch.float16:
         return torch.bfloat16
-    key = _probe_key(device)
+    key = device_key(device)
     if key not in _FP16_OUT_PROBED:
         if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
             return torch.bfloat16
