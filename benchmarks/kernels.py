@@ -44,14 +44,33 @@ L2_BYTES = 50 * 2**20
 ROTATE_BYTES = 4 * L2_BYTES
 
 
-def bench(fn, reps: int = 100) -> float:
-    """Median microseconds of ``fn()`` on CUDA events (triton.testing.do_bench when importable)."""
-    try:
-        from triton.testing import do_bench
+# LQE_BENCH_TIMING=graph times each row as CUDA-graph replays of back-to-back calls (triton.testing.
+# do_bench_cudagraph): the GPU time a decode step pays, since decode runs captured; the default "eager" times Python
+# calls (triton.testing.do_bench), where a small-M kernel shorter than its launch measures the host, not the GPU (the
+# H200 run at 3382fc4: a 4096x4096 M=1 cuBLAS bf16 call took 18 us eager, 2x its byte floor). A row whose calls
+# cannot be captured (a host sync) is timed eagerly and counted in GRAPH_FALLBACKS.
+TIMING = os.environ.get("LQE_BENCH_TIMING", "eager")
+GRAPH_FALLBACKS: dict[str, int] = {}
 
-        return do_bench(fn, warmup=25, rep=reps, return_mode="median") * 1e3
+
+def bench(fn, reps: int = 100) -> float:
+    """Median microseconds of ``fn()``: CUDA-graph replays with ``LQE_BENCH_TIMING=graph``, else eager calls on CUDA
+    events (triton.testing.do_bench when importable)."""
+    if TIMING not in ("eager", "graph"):
+        raise SystemExit(f"LQE_BENCH_TIMING={TIMING!r}: use 'eager' or 'graph'")
+    try:
+        from triton.testing import do_bench, do_bench_cudagraph
     except ImportError:
-        pass
+        do_bench = do_bench_cudagraph = None
+    if TIMING == "graph" and do_bench_cudagraph is not None:
+        try:
+            return do_bench_cudagraph(fn, rep=max(10, reps // 4), return_mode="median") * 1e3
+        except RuntimeError as e:  # not capturable: a host sync or a CPU tensor in the call
+            torch.cuda.synchronize()
+            why = str(e).splitlines()[0][:80]
+            GRAPH_FALLBACKS[why] = GRAPH_FALLBACKS.get(why, 0) + 1
+    if do_bench is not None:
+        return do_bench(fn, warmup=25, rep=reps, return_mode="median") * 1e3
     for _ in range(10):
         fn()
     torch.cuda.synchronize()
@@ -645,14 +664,15 @@ def main(argv=None) -> int:
     copy_gbps = copy_bandwidth()
     env = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
            "capability": ".".join(map(str, torch.cuda.get_device_capability())),
-           "sms": torch.cuda.get_device_properties(0).multi_processor_count, "lqe_commit": commit()}
+           "sms": torch.cuda.get_device_properties(0).multi_processor_count, "lqe_commit": commit(),
+           "timing": TIMING}
     try:
         import triton
 
         env["triton"] = triton.__version__
     except ImportError:
         pass
-    print(f"# {gpu} | torch {env['torch']} cuda {env['cuda']} | d2d copy {copy_gbps:.0f} GB/s")
+    print(f"# {gpu} | torch {env['torch']} cuda {env['cuda']} | d2d copy {copy_gbps:.0f} GB/s | timing {TIMING}")
     import kernels_w8a8 as kw8
 
     tag = "".join(c if c.isalnum() else "-" for c in gpu).strip("-").lower()
@@ -683,7 +703,8 @@ def main(argv=None) -> int:
         path.write_text(json.dumps({"device": gpu, "env": env, "copy_gbps": round(copy_gbps, 1), "rows": old + rows,
                                     "implied_tables": implied, "complete": complete,
                                     **({"carried_from": carried_from} if carried_from and old else {}),
-                                    **({"device_faults": faults} if faults else {})}, indent=1))
+                                    **({"device_faults": faults} if faults else {}),
+                                    **({"graph_fallbacks": GRAPH_FALLBACKS} if GRAPH_FALLBACKS else {})}, indent=1))
 
     def on_fault(f: DeviceFault, rows: list[dict]) -> int:
         """Save what the run measured (less what the fault may have spoiled), and go on in a fresh process without
@@ -727,6 +748,8 @@ def main(argv=None) -> int:
     except DeviceFault as f:
         return on_fault(f, rows)
     save(rows, complete=True)
+    if GRAPH_FALLBACKS:
+        print(f"# timed eagerly (not capturable): {GRAPH_FALLBACKS}")
     print(f"# wrote {path}")
     return 0
 

@@ -87,7 +87,13 @@ def test_cuda_calibration_matches_cpu(checkpoints, tmp_path, case):
             assert json.load(a) == json.load(b)
     unquantized = [k for k in cpu if not any(k.startswith(n + ".") for n in res["cpu"].canon)]
     for k in unquantized if method != "awq" else []:  # embeddings, norms (SmoothQuant's folded scales: close)
-        torch.testing.assert_close(gpu[k].float(), cpu[k].float(), rtol=1e-3, atol=1e-5, msg=k)
+        # SmoothQuant folds max|X|^alpha into a layer's norms; past layer 0, X comes through the int8 layers before,
+        # whose codes may differ on a float tie (min_equal), and their max moves by up to a code step (rtol 2e-2;
+        # 1e-3 failed for layer 1 on the H200 at 3382fc4)
+        later = method == "smoothquant" and not k.startswith(("model.embed_tokens.", "model.layers.0."))
+        rel = ((gpu[k].float() - cpu[k].float()).abs() / cpu[k].float().abs().clamp_min(1e-6)).max().item()
+        torch.testing.assert_close(gpu[k].float(), cpu[k].float(), rtol=2e-2 if later else 1e-3, atol=1e-5,
+                                   msg=lambda m, k=k, rel=rel: f"{k}: max relative difference {rel:.2e}\n{m}")
     assert set(res["cpu"].canon) == set(res["cuda"].canon)
     for cw in res["cuda"].canon.values():
         assert cw.codes.device.type == "cpu" and cw.scales.device.type == "cpu"
