@@ -44,33 +44,44 @@ L2_BYTES = 50 * 2**20
 ROTATE_BYTES = 4 * L2_BYTES
 
 
-# LQE_BENCH_TIMING=graph times each row as CUDA-graph replays of back-to-back calls (triton.testing.
-# do_bench_cudagraph): the GPU time a decode step pays, since decode runs captured; the default "eager" times Python
-# calls (triton.testing.do_bench), where a small-M kernel shorter than its launch measures the host, not the GPU (the
-# H200 run at 3382fc4: a 4096x4096 M=1 cuBLAS bf16 call took 18 us eager, 2x its byte floor). A row whose calls
-# cannot be captured (a host sync) is timed eagerly and counted in GRAPH_FALLBACKS.
-TIMING = os.environ.get("LQE_BENCH_TIMING", "eager")
+# Rows are timed as CUDA-graph replays of back-to-back calls (triton.testing.do_bench_cudagraph): the GPU time a
+# step pays, since decode runs captured (and mixed steps in piecewise graphs). LQE_BENCH_TIMING=eager times Python
+# calls instead (triton.testing.do_bench), where a small-M kernel shorter than its launch measures the host: the H200
+# gate at 3382fc4 (eager) had cuBLAS bf16 4096x4096 M=1 at 18.4 us, graph-timed 13.1 us, and the lqe Triton rows
+# 2-6x slower than their graph times. The H100 rows of f1c96af were timed eagerly. A row whose calls cannot be
+# captured (a host sync) is timed eagerly and counted in GRAPH_FALLBACKS (saved as graph_fallbacks).
+TIMING = os.environ.get("LQE_BENCH_TIMING", "graph")
 GRAPH_FALLBACKS: dict[str, int] = {}
 
 
 def bench(fn, reps: int = 100) -> float:
-    """Median microseconds of ``fn()``: CUDA-graph replays with ``LQE_BENCH_TIMING=graph``, else eager calls on CUDA
-    events (triton.testing.do_bench when importable)."""
+    """Median microseconds of ``fn()``: CUDA-graph replays (``LQE_BENCH_TIMING=graph``, the default), else eager
+    calls on CUDA events (:func:`bench_eager`)."""
     if TIMING not in ("eager", "graph"):
         raise SystemExit(f"LQE_BENCH_TIMING={TIMING!r}: use 'eager' or 'graph'")
     try:
-        from triton.testing import do_bench, do_bench_cudagraph
+        from triton.testing import do_bench_cudagraph
     except ImportError:
-        do_bench = do_bench_cudagraph = None
+        do_bench_cudagraph = None
     if TIMING == "graph" and do_bench_cudagraph is not None:
         try:
             return do_bench_cudagraph(fn, rep=max(10, reps // 4), return_mode="median") * 1e3
-        except RuntimeError as e:  # not capturable: a host sync or a CPU tensor in the call
+        except RuntimeError as e:
             torch.cuda.synchronize()
+            fn()  # a call that fails by itself fails its row here; one that only cannot be captured is timed eagerly
             why = str(e).splitlines()[0][:80]
             GRAPH_FALLBACKS[why] = GRAPH_FALLBACKS.get(why, 0) + 1
-    if do_bench is not None:
+    return bench_eager(fn, reps)
+
+
+def bench_eager(fn, reps: int = 100) -> float:
+    """Median microseconds of eager ``fn()`` calls on CUDA events (triton.testing.do_bench when importable)."""
+    try:
+        from triton.testing import do_bench
+
         return do_bench(fn, warmup=25, rep=reps, return_mode="median") * 1e3
+    except ImportError:
+        pass
     for _ in range(10):
         fn()
     torch.cuda.synchronize()
@@ -101,9 +112,11 @@ def cycler(items):
 
 
 def copy_bandwidth() -> float:
+    """Device-to-device copy GB/s (read + write), always timed eagerly: a 1 GiB copy is long enough that the host
+    does not count, and do_bench_cudagraph's estimate gave 2765 GB/s on the H200 where do_bench gave 4253."""
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    us = bench(lambda: dst.copy_(src), reps=50)
+    us = bench_eager(lambda: dst.copy_(src), reps=50)
     return 2 * src.numel() / (us * 1e-6) / 1e9  # read + write
 
 

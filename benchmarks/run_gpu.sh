@@ -17,7 +17,7 @@
 #   LQE_COMMIT=abc1234 ...                     # the commit measured, where the tree has no .git
 #   bash benchmarks/run_gpu.sh --w4a16         # one focused stage instead: benchmarks/stages/w4a16.sh (build, that
 #                                              # issue's GPU tests and its sweep, JSON; each under 8 minutes)
-# Stage time limits (seconds): LQE_TEST_TIMEOUT (300), LQE_KERNELS_TIMEOUT (220: what a 560 s budget leaves after
+# Stage time limits (seconds): LQE_TEST_TIMEOUT (360), LQE_KERNELS_TIMEOUT (220: what a 560 s budget leaves after
 # the build and a whole test stage; the kernel rows grew to ~25 per shape and M), LQE_E2E_TIMEOUT (240),
 # LQE_CALIB_TIMEOUT (300; LQE_CALIB_ARGS replaces "--layers 4 --methods gptq-sym").
 # LQE_BUDGET_S (560): the whole run's time budget; stages are cut / skipped to keep inside it (one device call: 600 s).
@@ -76,7 +76,7 @@ skip_stage() {
   return 1
 }
 
-echo "== [2/5] GPU tests (${LQE_TEST_JOBS:-6} pytest processes side by side)"
+echo "== [2/5] GPU tests (${LQE_TEST_JOBS:-8} pytest processes side by side)"
 if ! skip_stage tests; then
   # the test ids split into LQE_TEST_JOBS groups, run concurrently on the one GPU (the tests
   # are latency-bound and small; nothing in them is timed), each group writing its own JUnit XML
@@ -86,13 +86,13 @@ if ! skip_stage tests; then
   # to the group with the fewest tests so far
   python -m pytest -m gpu ${LQE_TESTS:-tests/gpu} --collect-only -q -p no:cacheprovider 2>/dev/null \
     | grep "::" > "$LOGDIR/gpu-test-ids.txt"
-  mapfile -t groups < <(python - "$LOGDIR/gpu-test-ids.txt" "${LQE_TEST_JOBS:-6}" < benchmarks/stages/test_groups.py)
+  mapfile -t groups < <(python - "$LOGDIR/gpu-test-ids.txt" "${LQE_TEST_JOBS:-8}" < benchmarks/stages/test_groups.py)
   pids=()
   for i in "${!groups[@]}"; do
     # SIGINT first: pytest stops as on Ctrl-C and still writes its JUnit XML (the summary then counts what ran)
     # (gpu_pytest, benchmarks/stages/budget.sh: a test that loses the CUDA context stops its group, which goes on
     # with the tests it did not reach in a fresh process, so one faulting kernel costs one test, not a group)
-    gpu_pytest "gpu-tests-$i" "${LQE_TEST_TIMEOUT:-300}" ${groups[$i]} &
+    gpu_pytest "gpu-tests-$i" "${LQE_TEST_TIMEOUT:-360}" ${groups[$i]} &
     pids+=($!)
   done
   stage_rc[tests]=0

@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from lqe.engine.graph_backends import capture_stream
 from lqe.engine.scheduler import SchedulerOutput
 from lqe.engine.step_inputs import StepInputBuilder, StepLayout, views
 from lqe.forward_context import AttentionMetadata, ForwardContext, set_forward_context
@@ -96,7 +97,7 @@ class CudaGraphRunner:
         t0 = time.perf_counter()
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
-        stream = torch.cuda.Stream()  # one side stream for every warm-up (each new stream gets its own cuBLAS workspace)
+        stream = capture_stream()  # one side stream per device for every engine's warm-ups and captures
         for b in sorted(self.buckets, reverse=True):
             lay = self._fill_synthetic(b, 0)  # padding rows only: capture writes nothing to the cache
             stream.wait_stream(torch.cuda.current_stream())

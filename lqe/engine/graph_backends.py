@@ -27,6 +27,26 @@ _UNCAPTURABLE = {"aten::item", "aten::_local_scalar_dense", "aten::is_nonzero", 
                  "aten::repeat_interleave"}
 
 
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:
+    """The side stream every engine of this process warms up and captures its CUDA graphs on, one per device.
+
+    cuBLAS keeps a workspace (32 MiB on Hopper) for each stream it has run on until the process ends, so a new stream
+    per engine kept 32 MiB per engine after its shutdown (measured on the H200 at 3382fc4: 64.5 MiB allocated after
+    the first LLM's shutdown, 96.5 after the second's, 0.5 after torch's private workspace clearing). One stream per
+    device keeps that to one workspace. Engines replay their graphs on the stream of their caller, in turn, so the
+    workspace they share is never used by two graphs at once."""
+    if isinstance(device, int):
+        device = torch.device("cuda", device)
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    stream = _CAPTURE_STREAMS.get(index)
+    if stream is None:
+        stream = _CAPTURE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
 class CapturedHostSyncError(RuntimeError):
     """An op in a captured piece reads device data on the host (or sizes its output by it)."""
 

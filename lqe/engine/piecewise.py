@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from lqe.engine.graph_backends import CudaGraphBackend, NoGraphBackend
+from lqe.engine.graph_backends import CudaGraphBackend, NoGraphBackend, capture_stream
 from lqe.engine.scheduler import SchedulerOutput
 from lqe.engine.step_inputs import StepInputs
 from lqe.engine.token_buckets import plan_step
@@ -126,7 +126,7 @@ class PiecewiseRunner:
             torch.cuda.synchronize()
             free_before = torch.cuda.mem_get_info()[0]
         self._rows = max(self.wanted)
-        stream = (stream or torch.cuda.Stream()) if cuda else None
+        stream = (stream or capture_stream(self.device_buf.device)) if cuda else None
         skipped = []
         for b in sorted(self.wanted, reverse=True):
             if self.graphs and (time.perf_counter() - t0 > max_seconds or

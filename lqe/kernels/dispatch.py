@@ -47,8 +47,12 @@ WNA16_SWAP_TABLE: list[tuple[int | None, str]] = [
 # its measurement implies (kernels.py --w4a16). To run it in a model before that: LQE_WNA16_TABLE=mma, or put
 # its rows here. A table naming lqe-w4a16-mma repacks layers into the mma layout, which serves only these two
 # names (a wna16-layout row resolves to its mma counterpart: one copy of the weights per layer).
+# Measured on the H200 at 0ebe3f7 (graph-timed): 0.51 / 0.44 / 0.20x cuBLAS bf16 at M = 1 / 16 / 64, about 10x its
+# byte floor: a serialized in-L2 reduction (7 handoffs per column tile, each a chain of L2 round trips) and a main
+# loop bound by instruction issue. Above M = 64 each 64-row problem is a launch of its own (M=256: 0.08x), so the
+# crossover is 64 until one launch serves them.
 WNA16_MMA_TABLE: list[tuple[int | None, str]] = [
-    (256, "lqe-w4a16-mma"),  # guessed crossover: the weights are re-read once per 64-row problem
+    (64, "lqe-w4a16-mma"),
     (None, "lqe-w4a16-mma-dequant+cublas"),
 ]
 
@@ -60,24 +64,27 @@ WNA16_MMA_TABLE: list[tuple[int | None, str]] = [
 # configs per M bucket in triton_w8a8.CONFIGS), "int-mm+epilogue" (torch._int_mm = cuBLASLt int8, M > 16 only, then
 # a Triton epilogue; same weight tensor), "lqe-w8a8" (csrc/gemm/w8a8_gemm.cu; needs its own fragment-packed copy of
 # the weights: naming it here keeps a second copy of every W8A8 weight in memory).
-# !! GUESSED, NOT MEASURED. The rows below were written without a GPU (issue 25) from the H100 numbers of issue 15
-# (cuBLASLt int8 1.4x bf16 at M=64, about 1.06x from M=256; triton-w8a8 1.17-1.36x at M >= 256). Set them from
-# `python benchmarks/kernels.py --w8a8-sweep` on the target GPU: it prints, paste-able, the W8A8_TABLE its
-# measurement implies and the triton_w8a8 / triton_gemv_w8a8 CONFIGS (the plain run prints the W8A8_TABLE too).
+# Measured on the H200 at 0ebe3f7 (2026-11-27; graph-timed, benchmarks/results/kernels-graph-nvidia-h200.json, geo-mean
+# over the Llama-3-8B shapes, x cuBLAS bf16): triton-gemv 1.27x at M=1 (lqe-w8a8 1.42x, but it keeps a second copy
+# of the weights), 1.46x at M=16 (M = 2..8 ran a CUDA-core config then, 0.24x at M=4: triton_gemv_w8a8.CONFIGS now
+# gives them the M=16 one); int-mm+epilogue 1.11x at M=64 (triton-w8a8 0.66x); triton-w8a8 1.05x at M=256
+# (int-mm+epilogue 0.84x) and 1.66x at M=1024 (2 shapes). M = 128 is not measured. The eager H200 run of the same
+# commit (kernels-nvidia-h200.json) times Python launches at small M, not the kernels: see benchmarks/kernels.py.
 W8A8_TABLE: list[tuple[int | None, str]] = [
-    (16, "triton-gemv"),  # guess: weight streaming, >= 80 % of copy bandwidth is the goal
-    (128, "int-mm+epilogue"),  # guess (cuBLASLt 1.4x at M=64 in issue 15)
-    (None, "triton-w8a8"),  # guess (1.17-1.36x at M >= 256 in issue 15; int-mm 1.06x)
+    (16, "triton-gemv"),
+    (128, "int-mm+epilogue"),
+    (None, "triton-w8a8"),
 ]
 
 # FP8 e4m3 W8A8 (per-tensor / per-channel weight scales, per-token or static activation scales):
 # "triton-gemv" (the GEMV above, fp8 x fp8, M <= 16), "scaled-mm" (torch._scaled_mm, row-wise scales, any M),
 # "triton-fp8" (lqe/kernels/triton_fp8.py: tiled fp8 GEMM with the per-token x per-channel epilogue fused).
-# !! GUESSED, NOT MEASURED: _scaled_mm measured 1.20-1.60x bf16 on the H100 (issue 25); kept for M > 16 until the
-# Triton fp8 GEMM is measured faster (`benchmarks/kernels.py --fp8-sweep` prints, paste-able, the FP8_TABLE and the
-# triton_fp8 CONFIGS / BLOCK_CONFIGS and triton_gemv_w8a8 FP8_CONFIGS its run implies).
+# Measured on the H200 at 0ebe3f7 (as above): M=1 triton-gemv 1.64x (triton-fp8 1.36x, scaled-mm 0.92x); M=16
+# triton-fp8 1.55x (gemv 1.45x); M=64 triton-fp8 1.19x (scaled-mm 1.04x); M=256 scaled-mm 1.40x (triton-fp8 1.35x);
+# M=1024 1.80x / 1.86x (2 shapes). `benchmarks/kernels.py --fp8-sweep` prints the FP8_TABLE and configs a run implies.
 FP8_TABLE: list[tuple[int | None, str]] = [
-    (16, "triton-gemv"),
+    (1, "triton-gemv"),
+    (64, "triton-fp8"),
     (None, "scaled-mm"),
 ]
 

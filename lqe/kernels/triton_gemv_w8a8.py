@@ -64,11 +64,14 @@ class GemvConfig:
         return f"{'dot' if self.use_dot else 'fma'}-n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}sk{sk}"
 
 
-# (max_m, config): first row covering M wins. GUESSED, NOT MEASURED (no GPU when written): set from
-# `python benchmarks/kernels.py --w8a8-sweep --m 1 2 4 8 16` on the target GPU.
+# (max_m, config): first row covering M wins. Measured on the H200 at 0ebe3f7 (graph-timed, Llama-3-8B shapes,
+# benchmarks/results/kernels-graph-nvidia-h200.json): M=1 on the CUDA cores 1.27x cuBLAS bf16, M=16 on the tensor cores
+# 1.46x; M=4 ran a CUDA-core config then (a [4, 32, 256] broadcast-reduce: 648 warp shuffles per K block, 0.24x,
+# 47 us on 4096x4096 against 10 us at M=1 and M=16), so M = 2..16 share the tensor-core config (its cost does not
+# depend on M; M = 2..8 not measured yet). The CUDA-core path now reduces one token at a time for BLOCK_M > 1.
+# `python benchmarks/kernels.py --w8a8-sweep --m 1 2 4 8 16` sweeps the alternatives.
 CONFIGS: list[tuple[int, GemvConfig]] = [
     (1, GemvConfig(32, 512, use_dot=False, num_warps=4)),
-    (4, GemvConfig(32, 256, use_dot=False, num_warps=4)),
     (16, GemvConfig(64, 256, use_dot=True, num_warps=4)),
 ]
 
@@ -181,15 +184,22 @@ if triton is not None:
                 # fp32 FMAs (twice the int32 rate): int8 products are integers <= 2^14 and a BLOCK_K <= 1024 sum
                 # stays <= 2^24, so the block sum is exact in fp32 whatever the order; int32 across blocks
                 wf = w.to(tl.float32)
-                xf = x.to(tl.float32)
                 if BLOCK_M == 1:
-                    blk = tl.sum(wf * xf, axis=1)[None, :]
+                    blk = tl.sum(wf * x.to(tl.float32), axis=1)[None, :]
+                    if IS_FP8:
+                        acc += blk
+                    else:
+                        acc += blk.to(tl.int32)
                 else:
-                    blk = tl.sum(xf[:, None, :] * wf[None, :, :], axis=2)
-                if IS_FP8:
-                    acc += blk
-                else:
-                    acc += blk.to(tl.int32)
+                    # one 2-d [BLOCK_N, BLOCK_K] multiply-reduce per token, in the weight tile's own layout
+                    for mi in tl.static_range(BLOCK_M):
+                        xr = tl.load(x_ptr + tl.minimum(mi, M - 1) * stride_xm + kb * BLOCK_K + rk,
+                                     mask=(kb * BLOCK_K + rk) < K, other=0.0)
+                        row = tl.sum(wf * xr.to(tl.float32)[None, :], axis=1)
+                        if IS_FP8:
+                            acc += tl.where(rm[:, None] == mi, row[None, :], 0.0)
+                        else:
+                            acc += tl.where(rm[:, None] == mi, row.to(tl.int32)[None, :], 0)
             x_ptrs += BLOCK_K
 
         if SPLIT_K == 1:

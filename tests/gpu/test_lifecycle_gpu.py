@@ -41,7 +41,7 @@ def test_memory_goes_back(how, model_dir):
     d = model_dir
     gc.collect()
     torch.cuda.empty_cache()
-    alloc0, _ = _held()
+    alloc0, reserved0 = _held()  # earlier tests of this process may leave segments that a live block pins
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     llm = LLM(d, **ENGINE)
     assert torch.cuda.memory_allocated() - alloc0 > 8 * SLACK, "the model and KV cache (about 600 MiB) must dwarf the slack"
@@ -57,6 +57,10 @@ def test_memory_goes_back(how, model_dir):
         torch.cuda.empty_cache()
     alloc1, reserved1 = _held()
     assert alloc1 - alloc0 <= SLACK, f"{(alloc1 - alloc0) / 2**20:.0f} MiB still allocated after {how}"
-    assert reserved1 - alloc0 <= SLACK, f"{(reserved1 - alloc0) / 2**20:.0f} MiB still reserved after {how}"
+    assert reserved1 - reserved0 <= SLACK, f"{(reserved1 - reserved0) / 2**20:.0f} MiB more reserved after {how}"
     with LLM(d, **ENGINE) as again:
         assert [o.outputs[0].token_ids for o in again.generate(PROMPTS, sp, use_tqdm=False)] == first
+    # a second engine leaves nothing more behind: its graphs are captured on the process's one capture stream, so
+    # cuBLAS keeps no second workspace for it (a new stream per engine kept 32 MiB each, H200 at 3382fc4)
+    alloc2, _ = _held()
+    assert alloc2 - alloc1 <= 1 << 20, f"{(alloc2 - alloc1) / 2**20:.0f} MiB more allocated after a second engine"
