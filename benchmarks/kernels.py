@@ -34,7 +34,8 @@ SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # K x N: qk
 ROW_GROUPS = {
     "w4a16": ("lqe-w4a16", "lqe-w4a16-fused", "lqe-w4a16-dequant", "triton-wna16", "triton-wna16-swap",
               "triton-dequant+cublas", "triton-dequant-l2+cublas",
-              "triton-dequant-only", "torch-int4pack", "lqe-w4a16-mma", "lqe-w4a16-mma-dequant+cublas"),
+              "triton-dequant-only", "torch-int4pack", "lqe-w4a16-mma", "lqe-w4a16-mma-dequant+cublas",
+              "lqe-w4a16-mma-2cta"),
     "w8a8": ("lqe-w8a8", "torch-int-mm", "triton-w8a8", "int-mm+epilogue", "w8a8-table+quant", "triton-gemv",
              "lqe-w8a8-layer"),
     "fp8": ("triton-gemv-fp8", "triton-fp8", "lqe-fp8-layer", "lqe-fp8-block-layer", "lqe-fp8/torch-scaled-mm"),

@@ -13,6 +13,7 @@ import math
 import torch
 
 MMA_ROWS = ("lqe-w4a16-mma", "lqe-w4a16-mma-dequant+cublas")
+MMA_2CTA_ROW = "lqe-w4a16-mma-2cta"  # not a table name: gemm_mma.mma_gemm's sms (stripes) at 2 x the SM count
 
 
 def _canonical(k: int, n: int, dev: str):
@@ -40,6 +41,11 @@ def add_mma_rows(out: dict, k: int, n: int, rotating, cycler, dev: str = "cuda")
     for name in MMA_ROWS:
         out[name] = ((lambda name: lambda x: (lambda p=cycler(pm): lambda: lk.wna16_gemm(x, p(), path=name))())(name),
                      wbytes)
+    # the same GEMM striped over two blocks per SM (twice the warps and the bytes in flight per SM; 2 x 57 KB of
+    # shared memory at M <= 16): the candidate for the default stripe count
+    sms2 = 2 * gemm_mma.sm_count(torch.device(dev))
+    out[MMA_2CTA_ROW] = ((lambda x: (lambda p=cycler(pm): lambda: lk.wna16_gemm(
+        x, p(), path="lqe-w4a16-mma", splits=sms2))()), wbytes)
 
 
 def w4a16_candidates(k: int, n: int, rotating, cycler, dev: str = "cuda") -> dict:

@@ -218,7 +218,8 @@ def test_w4a16_rows_time_their_own_layout_whatever_the_table(w4a16_on_cpu):
             "triton-dequant-l2+cublas": ("triton-dequant-l2+cublas", "PackedWNA16"),
             "triton-dequant-only": ("dequantize", "PackedWNA16"),
             "lqe-w4a16-mma": ("lqe-w4a16-mma", "PackedMMA"),
-            "lqe-w4a16-mma-dequant+cublas": ("lqe-w4a16-mma-dequant+cublas", "PackedMMA")}
+            "lqe-w4a16-mma-dequant+cublas": ("lqe-w4a16-mma-dequant+cublas", "PackedMMA"),
+            "lqe-w4a16-mma-2cta": ("lqe-w4a16-mma", "PackedMMA")}
     out = {}
     kb.add_w4a16_rows(out, 256, 128, dev="cpu")
     assert _layouts(out, calls) == want

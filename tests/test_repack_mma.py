@@ -133,21 +133,28 @@ def test_emulated_gemm_matches_canonical(bits, gs, asym, act_order, m):
     torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("n_tiles,k_tiles,sms", [(16, 64, 132), (112, 64, 132), (1, 3, 132), (5, 7, 4), (24, 9, 132)])
-def test_stripe_schedule_covers_every_tile_once_in_lock_order(n_tiles, k_tiles, sms):
+@pytest.mark.parametrize("n_tiles,k_tiles,sms", [(16, 64, 132), (112, 64, 132), (1, 3, 132), (5, 7, 4), (24, 9, 132),
+                                                 (16, 64, 264), (1, 224, 132)])
+def test_stripe_schedule_covers_every_tile_once_with_one_slot_per_piece(n_tiles, k_tiles, sms):
+    """Every tile's K range is covered once; its k = 0 piece lies in the lowest of its stripes and every other piece
+    in a higher one (run by a lower block, dispatched first), each with a slot of its own below workspace_slots."""
     blocks = mma_ref.stripe_pieces(n_tiles, k_tiles, sms)
     assert len(blocks) <= sms
+    slots = mma_ref.workspace_slots(n_tiles, k_tiles, sms)
     seen = {}
-    for b, pieces in enumerate(blocks):
-        for t, k_lo, k_hi, order in pieces:
-            seen.setdefault(t, []).append((k_lo, k_hi, order, b))
+    for s, pieces in enumerate(blocks):
+        for t, k_lo, k_hi, slot in pieces:
+            seen.setdefault(t, []).append((k_lo, k_hi, slot, s))
     assert sorted(seen) == list(range(n_tiles))
     for t, ps in seen.items():
-        ps.sort(reverse=True)  # from the last K piece down to k = 0: the order the partial sums add up in
-        assert ps[0][1] == k_tiles and ps[-1][0] == 0
-        for i, (k_lo, k_hi, order, b) in enumerate(ps):
-            assert order == i  # the lock value this piece waits for = number of pieces added before it
-            assert i == 0 or (ps[i - 1][0] == k_hi and ps[i - 1][3] > b)  # waits only on higher stripes
+        ps.sort()
+        assert ps[0][0] == 0 and ps[-1][1] == k_tiles
+        assert all(a[1] == b[0] for a, b in zip(ps, ps[1:]))  # contiguous, no overlap
+        closer = ps[0]
+        assert closer[2] == -1 and all(p[2] >= 0 for p in ps[1:])
+        assert sorted(p[2] for p in ps[1:]) == list(range(len(ps) - 1))  # slots 0.. of the tile, each once
+        assert all(p[3] > closer[3] for p in ps[1:]) and len(ps) - 1 <= slots
+    assert slots == max(len(ps) - 1 for ps in seen.values())
 
 
 @pytest.mark.parametrize("n,k,sms", [(28672, 4096, 132), (6144, 4096, 132), (4096, 4096, 132), (4096, 14336, 132),
@@ -264,10 +271,16 @@ def test_mma_workspace_grows_and_keeps_what_graphs_captured_earlier_address():
     from lqe.kernels import gemm_mma
 
     dev = torch.device("cpu", 7)  # a key of its own (CPU tensors: no capture, the bookkeeping is the same)
-    first = gemm_mma.reserve_workspace(dev, 256)
+    first = gemm_mma.reserve_workspace(dev, 256, 128, sms=4)  # 1 tile x 2 k-tiles on 4 blocks: 1 slot
     assert first[0].numel() == 64 * 256 and first[1].numel() == 1 and not first[1].any()
-    assert gemm_mma.reserve_workspace(dev, 256)[0] is first[0]  # fits: the same buffers
-    grown = gemm_mma.reserve_workspace(dev, 1024)
+    assert gemm_mma.reserve_workspace(dev, 256, 128, sms=4)[0] is first[0]  # fits: the same buffers
+    grown = gemm_mma.reserve_workspace(dev, 1024, 256, sms=8)  # 4 tiles x 4 k-tiles, 2 per stripe: 1 slot
     assert grown[0].numel() == 64 * 1024 and grown[1].numel() == 4 and not grown[1].any()
     assert any(ws is first[0] and lk is first[1] for ws, lk in gemm_mma._retired)
-    assert gemm_mma.reserve_workspace(dev, 512)[0] is grown[0]  # a smaller layer reuses the larger buffer
+    assert gemm_mma.reserve_workspace(dev, 512, 128, sms=4)[0] is grown[0]  # a smaller layer reuses the larger buffer
+    # the Llama-3-8B o_proj on 132 SMs: 16 tiles x 64 k-tiles, 8 per stripe: 7 pieces above k = 0 per tile
+    assert gemm_mma.workspace_elems(dev, 4096, 4096, 132) == 7 * 64 * 4096
+    # without k_pad, the bound for any K covers every K
+    for k_pad in (64, 4096, 14336, 1 << 17):
+        for n_pad, sms in ((256, 132), (4096, 132), (28672, 264)):
+            assert gemm_mma.workspace_elems(dev, n_pad, None, sms) >= gemm_mma.workspace_elems(dev, n_pad, k_pad, sms)

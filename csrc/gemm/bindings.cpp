@@ -110,7 +110,8 @@ at::Tensor w4a16_mma_gemm(const at::Tensor& x, const at::Tensor& qweight, const 
               "(a view at an odd offset: pass a copy)");
   raise_if(lqe::launch_w4a16_mma(dt, (int)bits, x.data_ptr(), qweight.data_ptr(), scales.data_ptr(),
                                  opt_ptr(zeros, "zeros", x), opt_ptr(bias, "bias", x), out.data_ptr(),
-                                 ws.data_ptr<float>(), locks.data_ptr<int>(), (int)M, (int)N, (int)K, (int)k_pad,
+                                 ws.data_ptr<float>(), (size_t)ws.numel(), locks.data_ptr<int>(), (int)M, (int)N,
+                                 (int)K, (int)k_pad,
                                  (int)n_pad, (int)group_size, (int)scales.size(0), (int)sms,
                                  c10::cuda::getCurrentCUDAStream()));
   return out;

@@ -1,13 +1,14 @@
 // lqe-w4a16-mma: a Marlin-class W4A16 / W8A16 tensor-core GEMM (issue 24). Design, in the order data flows:
 //
 // * Partitioning. The work is n_tiles x k_tiles block-iterations (256 columns x 64 rows of K each), walked
-//   k fastest and cut into equal contiguous stripes, one per block, at most one block per SM (persistent:
-//   grid <= SMs, so every block is resident). A stripe runs down K of one column tile and on into the next,
-//   so few column tiles at small M still fill every SM. The blocks that share a column tile reduce their fp32
-//   partial sums in a global workspace that stays in L2, serialized by a per-tile lock in reverse K order
-//   (block b waits until the lock equals its rank: last block of the tile - b): deterministic, the sum order is
-//   fixed, and no block waits on one that still has a stripe to run. The piece at k = 0 adds the bias, rounds
-//   once, writes the output and resets the lock.
+//   k fastest and cut into equal contiguous stripes, one per block (`sms` blocks: one or more per SM). A stripe
+//   runs down K of one column tile and on into the next, so few column tiles at small M still fill every SM.
+//   The pieces of a column tile other than its k = 0 piece store their fp32 partial sums, each in a workspace
+//   slot of its own that stays in L2, and count themselves in on the tile's counter (one release add); the
+//   k = 0 piece waits for that count once, adds the slots to its own sums in slot order (deterministic: the
+//   order is fixed by the stripe plan), adds the bias, rounds once, writes the output and resets the counter.
+//   The H200 measured the earlier chain (each piece waiting for the one above it, then a read-modify-write of
+//   the running sum one L2 round trip after another) at ~17 of the 32 us of a 4096 x 4096 M=1 call.
 // * Memory pipeline. kStages-deep cp.async ring: per stage the block copies one contiguous 8 KB (4-bit) or
 //   16 KB (8-bit) run of repacked weights with an L2 evict-first policy (read once; evict-normal in all but the
 //   last 64-row problem of an M > 64 call, which re-read them), the 64-column slab of the
@@ -46,9 +47,10 @@ struct MmaArgs {
   const void* Z;
   const void* bias;
   void* C;
-  float* ws;
-  int* locks;
+  float* ws;     // slot s (the s-th piece of a tile above its k = 0 piece) at ws + s * kMmaMaxRows * n_pad
+  int* locks;    // per column tile: pieces that have stored their slot (the k = 0 piece resets it)
   int M, N, K, k_tiles, n_tiles, n_pad, group_size, groups, per;
+  int gs_shift;  // log2(group_size) when it is a power of two, else -1 (a division per group lookup)
   int last_rows;  // the last (or only) <= 64-row problem of the call: its weight reads may leave L2
 };
 
@@ -88,8 +90,8 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
   asm volatile("ld.global.acquire.gpu.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
-__device__ __forceinline__ void st_release(int* p, int v) {
-  asm volatile("st.global.release.gpu.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+__device__ __forceinline__ void red_release_add(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 template <typename T, int BITS, int MB>
@@ -113,11 +115,17 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
   const T* S = static_cast<const T*>(a.S);
   const T* Z = static_cast<const T*>(a.Z);
   const bool has_zp = Z != nullptr;
-  auto group_of = [&](int krow) { return min(krow / a.group_size, a.groups - 1); };
+  auto group_of = [&](int krow) { return min(a.gs_shift >= 0 ? krow >> a.gs_shift : krow / a.group_size, a.groups - 1); };
 
-  auto load_stage = [&](int it, int slot) {
+  // the (column tile, k-tile) of the next stage to load, advanced one k-tile per load (no division per stage)
+  int load_nt = it0 / a.k_tiles, load_kt = it0 - load_nt * a.k_tiles;
+  auto load_stage = [&](int slot) {
     uint8_t* st = smem + slot * SM::kStage;
-    const int nt = it / a.k_tiles, kt = it % a.k_tiles;
+    const int nt = load_nt, kt = load_kt;
+    if (++load_kt == a.k_tiles) {
+      load_kt = 0;
+      ++load_nt;
+    }
     const uint4* src = a.B + ((size_t)kt * a.n_tiles + nt) * (SM::kB / 16);
     const uint32_t bdst = smem_u32(st);
 #pragma unroll
@@ -154,20 +162,57 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
 
-  // One piece (this block's K range of one column tile) is done: in-L2 reduction in lock order, epilogue.
-  // The pieces of a tile add up from its last K piece down to its first: the last K piece (k_hi == k_tiles) is the
-  // FIRST piece its block computes, so it opens the sum without waiting; the first K piece (k_lo == 0) is the LAST
-  // piece its block computes, and by then the blocks above have long finished theirs. (Summing from k_lo == 0 up
-  // chains the blocks: each one's first piece would wait for the block below to finish its whole stripe.)
-  // A stripe waits only on higher stripes, which run in lower blocks (dispatched earlier: see `stripe` above).
-  auto finish_piece = [&](int nt, int k_lo, int k_hi) {
-    const bool opens = k_hi == a.k_tiles, closes = k_lo == 0, shared_tile = !(opens && closes);
-    int* lock = a.locks + nt;
-    const int rank = (nt * a.k_tiles + a.k_tiles - 1) / a.per - stripe;  // pieces that add before this one
-    if (shared_tile) {
+  // One piece (this block's K range of one column tile) is done. A piece above k = 0 stores its partial sums in its
+  // slot and counts itself in; the k = 0 piece (the tile's lowest stripe `first`: every other piece of the tile runs
+  // in a higher stripe, i.e. a lower block, dispatched before this one) waits for the count once, then adds the
+  // slots in order. No piece but the k = 0 one ever waits, so the wait lasts until the tile's slowest piece is in,
+  // never a chain of them. mma_ref.stripe_pieces / dispatch_completes / stripe_critical_path model it.
+  auto finish_piece = [&](int nt, int k_lo) {
+    const int first = (nt * a.k_tiles) / a.per, others = (nt * a.k_tiles + a.k_tiles - 1) / a.per - first;
+    int* count = a.locks + nt;
+    if (k_lo != 0) {
+      float* slot = a.ws + (size_t)(stripe - first - 1) * kMmaMaxRows * a.n_pad;
+#pragma unroll
+      for (int i = 0; i < MB; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = i * 16 + g8 + 8 * h, col = nt * kMmaTileN + warp * 64 + j * 8 + 2 * t4;
+            if (row < a.M)
+              __stcg(reinterpret_cast<float2*>(slot + (size_t)row * a.n_pad + col),
+                     make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]));
+          }
+      __syncthreads();  // every thread's stores precede the release below (cumulative at gpu scope)
+      if (tid == 0) red_release_add(count, 1);
+      return;
+    }
+    if (others > 0) {
       if (tid == 0)
-        while (ld_acquire(lock) != rank) __nanosleep(32);  // (spares L2 the polling of a long wait)
+        while (ld_acquire(count) != others) __nanosleep(32);  // (spares L2 the polling of a long wait)
       __syncthreads();
+      for (int o = 0; o < others; ++o) {
+        const float* slot = a.ws + (size_t)o * kMmaMaxRows * a.n_pad;
+#pragma unroll
+        for (int i = 0; i < MB; ++i) {
+          float2 part[8][2];  // every load of a row tile issued before the first add: one L2 round trip
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int row = i * 16 + g8 + 8 * h, col = nt * kMmaTileN + warp * 64 + j * 8 + 2 * t4;
+              part[j][h] = row < a.M ? __ldcg(reinterpret_cast<const float2*>(slot + (size_t)row * a.n_pad + col))
+                                     : make_float2(0.f, 0.f);
+            }
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              acc[i][j][2 * h] += part[j][h].x;
+              acc[i][j][2 * h + 1] += part[j][h].y;
+            }
+        }
+      }
     }
     T* C = static_cast<T*>(a.C);
     const T* bias = static_cast<const T*>(a.bias);
@@ -178,51 +223,34 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = i * 16 + g8 + 8 * h, col = nt * kMmaTileN + warp * 64 + j * 8 + 2 * t4;
-          if (row >= a.M) continue;
+          if (row >= a.M || col >= a.N) continue;
           float v0 = acc[i][j][2 * h], v1 = acc[i][j][2 * h + 1];
-          float2* wp = reinterpret_cast<float2*>(a.ws + (size_t)row * a.n_pad + col);
-          if (!opens) {
-            const float2 o = __ldcg(wp);
-            v0 = o.x + v0;
-            v1 = o.y + v1;
+          if (bias) {
+            v0 += to_f(bias[col]);
+            v1 += to_f(bias[col + 1]);
           }
-          if (!closes) {
-            __stcg(wp, make_float2(v0, v1));
-          } else if (col < a.N) {
-            if (bias) {
-              v0 += to_f(bias[col]);
-              v1 += to_f(bias[col + 1]);
-            }
-            *reinterpret_cast<uint32_t*>(C + (size_t)row * a.N + col) = pack_f2(T(), v0, v1);
-          }
+          *reinterpret_cast<uint32_t*>(C + (size_t)row * a.N + col) = pack_f2(T(), v0, v1);
         }
-    if (shared_tile) {
-      if (closes) {
-        if (tid == 0) *lock = 0;  // every other piece of this tile is done: ready for the next launch
-      } else {
-        __threadfence();
-        __syncthreads();
-        if (tid == 0) st_release(lock, rank + 1);
-      }
-    }
+    if (others > 0 && tid == 0) *count = 0;  // every other piece of this tile is in: ready for the next launch
   };
 
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (it0 + s < it1) load_stage(it0 + s, s);
+    if (it0 + s < it1) load_stage(s);
     cp_commit();
   }
   typename D::P prm[8];
   int cur_g = -1;
   const T zc = from_f<T>((float)(1 << (BITS - 1)));
+  int nt = it0 / a.k_tiles, kt = it0 - nt * a.k_tiles;  // this iteration's tile, advanced at its end
+  const int k_lo0 = kt;  // the first piece starts mid-tile; every later one at k = 0
   for (int it = it0; it < it1; ++it) {
     const int i = it - it0;
     cp_wait<kStages - 2>();
     __syncthreads();  // stage i landed for every thread; slot (i - 1) % kStages is free
-    if (it + kStages - 1 < it1) load_stage(it + kStages - 1, (i + kStages - 1) % kStages);
+    if (it + kStages - 1 < it1) load_stage((i + kStages - 1) % kStages);
     cp_commit();
     const uint8_t* st = smem + (i % kStages) * SM::kStage;
-    const int nt = it / a.k_tiles, kt = it % a.k_tiles;
     const uint4* bsm = reinterpret_cast<const uint4*>(st);
     const uint32_t abase = smem_u32(st + SM::kB);
     const T* ssm = reinterpret_cast<const T*>(st + SM::kB + SM::kA);
@@ -267,7 +295,7 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
       }
     }
     if (kt == a.k_tiles - 1 || it == it1 - 1) {
-      finish_piece(nt, it0 > nt * a.k_tiles ? it0 - nt * a.k_tiles : 0, kt + 1);
+      finish_piece(nt, it0 > nt * a.k_tiles ? k_lo0 : 0);
 #pragma unroll
       for (int mi = 0; mi < MB; ++mi)
 #pragma unroll
@@ -275,6 +303,10 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
 #pragma unroll
           for (int c = 0; c < 4; ++c) acc[mi][j][c] = 0.f;
       cur_g = -1;
+    }
+    if (++kt == a.k_tiles) {
+      kt = 0;
+      ++nt;
     }
   }
   cp_wait<0>();
@@ -371,9 +403,18 @@ cudaError_t run_dequant(const void* qw, const void* s, const void* z, void* out,
 
 }  // namespace
 
+int mma_workspace_slots(int n_tiles, int k_tiles, int sms) {
+  const int total = n_tiles * k_tiles, per = (total + min(sms, total) - 1) / min(sms, total);
+  int slots = 0;
+  for (int nt = 0; nt < n_tiles; ++nt)
+    slots = max(slots, (nt * k_tiles + k_tiles - 1) / per - (nt * k_tiles) / per);
+  return slots;
+}
+
 const char* launch_w4a16_mma(DType dt, int bits, const void* x, const void* qweight, const void* scales,
-                             const void* zeros, const void* bias, void* out, float* ws, int* locks, int M, int N,
-                             int K, int k_pad, int n_pad, int group_size, int groups, int sms, cudaStream_t stream) {
+                             const void* zeros, const void* bias, void* out, float* ws, size_t ws_elems, int* locks,
+                             int M, int N, int K, int k_pad, int n_pad, int group_size, int groups, int sms,
+                             cudaStream_t stream) {
   if (bits != 4 && bits != 8) return "bits must be 4 or 8";
   if (K <= 0 || N <= 0 || K % 8 != 0 || N % 8 != 0) return "K and N must be positive multiples of 8";
   if (k_pad % kMmaTileK != 0 || k_pad < K || k_pad - K >= kMmaTileK) return "k_pad must be K rounded up to 64";
@@ -384,13 +425,19 @@ const char* launch_w4a16_mma(DType dt, int bits, const void* x, const void* qwei
   const int n_tiles = n_pad / kMmaTileN, k_tiles = k_pad / kMmaTileK, total = n_tiles * k_tiles;
   const int per = (total + min(sms, total) - 1) / min(sms, total);
   const int grid = (total + per - 1) / per;
+  if (ws_elems < (size_t)mma_workspace_slots(n_tiles, k_tiles, sms) * kMmaMaxRows * n_pad)
+    return "ws is smaller than this stripe plan's slots x 64 x n_pad floats (lqe.kernels.gemm_mma.reserve_workspace "
+           "with this layer's k_pad and sms)";
+  int gs_shift = -1;
+  for (int b = 0; b < 31; ++b)
+    if (group_size == (1 << b)) gs_shift = b;
   const size_t esz = 2;  // fp16 / bf16
   const int mb_max = bits == 4 ? max_row_tiles<4>() : max_row_tiles<8>(), rows = 16 * mb_max;
   if (reinterpret_cast<uintptr_t>(x) % 16 != 0) return "x must be 16-byte aligned (cp.async copies 16 bytes)";
   for (int m0 = 0; m0 < M; m0 += rows) {  // each problem of <= 64 rows reuses ws / locks (stream order)
     MmaArgs a{static_cast<const char*>(x) + (size_t)m0 * K * esz, static_cast<const uint4*>(qweight), scales, zeros,
               bias, static_cast<char*>(out) + (size_t)m0 * N * esz, ws, locks, min(rows, M - m0), N, K,
-              k_tiles, n_tiles, n_pad, group_size, groups, per, m0 + rows >= M};
+              k_tiles, n_tiles, n_pad, group_size, groups, per, gs_shift, m0 + rows >= M};
     cudaError_t e;
     if (dt == DType::kHalf)
       e = bits == 4 ? run_rows<half, 4>(a, grid, mb_max, stream) : run_rows<half, 8>(a, grid, mb_max, stream);

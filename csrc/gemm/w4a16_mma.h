@@ -13,12 +13,18 @@ constexpr int kMmaMaxRows = 64;  // rows of one launch; a larger M runs as sever
 
 // y[M,N] = x[M,K] @ W (+ bias). x / out / bias in the activation dtype, row-major; K % 8 == 0, N % 8 == 0.
 // qweight: the repacked [k_pad x n_pad] codes; scales/zeros: [groups, n_pad] (zeros may be null = symmetric).
-// ws: >= kMmaMaxRows * n_pad floats (the in-L2 stripe reduction); locks: >= n_pad / kMmaTileN ints, zero
-// (the kernel leaves them zero). sms: resident blocks to stripe over (the SM count). Stream-ordered: one
-// launch at a time may use ws/locks.
+// ws: ws_elems >= mma_workspace_slots(n_pad / 256, k_pad / 64, sms) * kMmaMaxRows * n_pad floats (the partial
+// sums of the pieces above k = 0 of each column tile, in L2); locks: >= n_pad / kMmaTileN ints, zero (the kernel
+// leaves them zero). sms: blocks to stripe over (the SM count, or a multiple). Stream-ordered: one launch at a time
+// may use ws/locks.
 const char* launch_w4a16_mma(DType dt, int bits, const void* x, const void* qweight, const void* scales,
-                             const void* zeros, const void* bias, void* out, float* ws, int* locks, int M, int N,
-                             int K, int k_pad, int n_pad, int group_size, int groups, int sms, cudaStream_t stream);
+                             const void* zeros, const void* bias, void* out, float* ws, size_t ws_elems, int* locks,
+                             int M, int N, int K, int k_pad, int n_pad, int group_size, int groups, int sms,
+                             cudaStream_t stream);
+
+// The workspace slots a launch's stripe plan needs: the most pieces above k = 0 that one column tile has
+// (lqe/kernels/mma_ref.py workspace_slots is the same function).
+int mma_workspace_slots(int n_tiles, int k_tiles, int sms);
 
 // W[K, N] (row-major, sorted-K order, padding dropped) = the dequantized weights, bit-identical to the GEMM's
 // B fragments: the dequantize + cuBLAS path for large M.

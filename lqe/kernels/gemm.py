@@ -302,7 +302,7 @@ def select_w4a16_kernel(canonical: CanonicalWeight, device: torch.device | str,
         return None, "lqe-wna16 unavailable: " + "; ".join(reasons)
     if use_mma:
         packed = repack_mma(_to_device(canonical, device), dtype)
-        gemm_mma.reserve_workspace(device, packed.n_pad)  # at load: nothing allocated per call (graph capture)
+        gemm_mma.reserve_workspace(device, packed.n_pad, packed.k_pad)  # at load: nothing allocated per call
     else:
         packed = repack_wna16(_to_device(canonical, device), dtype)
     k, n = canonical.shape

@@ -6,7 +6,8 @@ with the kernel's bit operations (``lop3`` masks, ``>> 8`` per tile pair, ``__by
 0x4300 / 0x4B000000 magic numbers) and dequantizes with the kernel's half / bfloat16 arithmetic (magic-bias
 subtraction or fma that also removes the zero point, exact; then one multiply by the scale, rounded once),
 reproduced with integer ops and ``.view(torch.float16 / torch.bfloat16)``. It also reproduces the stripe
-schedule (which block reduces which piece of which tile, in which order). CPU tests of "repack then emulate"
+schedule (which block computes which piece of which tile, which workspace slot it stores its sums in, and which
+piece adds them up). CPU tests of "repack then emulate"
 check the layout contract the CUDA code relies on, bit for bit.
 """
 from __future__ import annotations
@@ -141,11 +142,17 @@ def stripe_plan(n_tiles: int, k_tiles: int, sms: int) -> tuple[int, int]:
     return math.ceil(total / per), per
 
 
+def tile_stripes(t: int, k_tiles: int, per: int) -> tuple[int, int]:
+    """``(first, last)``: the stripes that hold column tile ``t``'s pieces; ``first`` holds its k = 0 piece."""
+    return (t * k_tiles) // per, (t * k_tiles + k_tiles - 1) // per
+
+
 def stripe_pieces(n_tiles: int, k_tiles: int, sms: int) -> list[list[tuple[int, int, int, int]]]:
     """Per stripe (block ``grid - 1 - s`` runs stripe ``s``: :func:`stripe_of_block`), its pieces ``(n_tile, k_lo,
-    k_hi, order)`` as the kernel walks them; ``order`` is the value the tile's lock must hold before the stripe adds
-    its partial sums (``last stripe of the tile - s``): a tile's pieces add up from its last K piece (its stripe's
-    first piece) down to k = 0 (its stripe's last piece)."""
+    k_hi, slot)`` as the kernel walks them. A piece above k = 0 stores its partial sums in workspace slot ``slot``
+    (``s - first - 1``: the tile's pieces in higher stripes, numbered up from 0) and counts itself in; the k = 0
+    piece (``slot = -1``, in the tile's lowest stripe ``first``) waits until all of them are in, then adds the slots
+    in order, writes the output and resets the count."""
     grid, per = stripe_plan(n_tiles, k_tiles, sms)
     blocks = []
     for b in range(grid):
@@ -154,15 +161,22 @@ def stripe_pieces(n_tiles: int, k_tiles: int, sms: int) -> list[list[tuple[int, 
         while it < end:
             t, k_lo = divmod(it, k_tiles)
             k_hi = min(k_tiles, k_lo + (end - it))
-            pieces.append((t, k_lo, k_hi, (t * k_tiles + k_tiles - 1) // per - b))
+            pieces.append((t, k_lo, k_hi, -1 if k_lo == 0 else b - tile_stripes(t, k_tiles, per)[0] - 1))
             it += k_hi - k_lo
         blocks.append(pieces)
     return blocks
 
 
+def workspace_slots(n_tiles: int, k_tiles: int, sms: int) -> int:
+    """Workspace slots (of ``64 x n_pad`` floats) a launch needs: the most pieces above k = 0 of one column tile
+    (csrc/gemm/w4a16_mma.cu ``mma_workspace_slots``)."""
+    _, per = stripe_plan(n_tiles, k_tiles, sms)
+    return max(last - first for first, last in (tile_stripes(t, k_tiles, per) for t in range(n_tiles)))
+
+
 def stripe_of_block(block: int, grid: int) -> int:
-    """The stripe block ``block`` runs: ``grid - 1 - block``, so the stripes a piece waits on (higher ones) run in
-    blocks with lower indices, which the GPU dispatches first."""
+    """The stripe block ``block`` runs: ``grid - 1 - block``, so the pieces a k = 0 piece waits on (in higher
+    stripes) run in blocks with lower indices, which the GPU dispatches first."""
     return grid - 1 - block
 
 
@@ -173,8 +187,9 @@ def dispatch_completes(n_tiles: int, k_tiles: int, sms: int, resident: int, reve
     stripe b instead of :func:`stripe_of_block`."""
     stripes = stripe_pieces(n_tiles, k_tiles, sms)
     grid = len(stripes)
+    _, per = stripe_plan(n_tiles, k_tiles, sms)
     pieces = [stripes[stripe_of_block(b, grid) if reverse else b] for b in range(grid)]
-    done: set[tuple[int, int]] = set()
+    stored = [0] * n_tiles  # pieces above k = 0 counted in, per tile
     cursor, running, next_block, finished = [0] * grid, [], 0, 0
     while finished < grid:
         while len(running) < resident and next_block < grid:
@@ -183,10 +198,12 @@ def dispatch_completes(n_tiles: int, k_tiles: int, sms: int, resident: int, reve
         progressed = False
         for b in list(running):
             while cursor[b] < len(pieces[b]):
-                t, _, _, order = pieces[b][cursor[b]]
-                if order > 0 and (t, order - 1) not in done:
-                    break
-                done.add((t, order))
+                t, _, _, slot = pieces[b][cursor[b]]
+                first, last = tile_stripes(t, k_tiles, per)
+                if slot < 0 and stored[t] < last - first:
+                    break  # the k = 0 piece waits for the tile's other pieces
+                if slot >= 0:
+                    stored[t] += 1
                 cursor[b] += 1
                 progressed = True
             if cursor[b] == len(pieces[b]):
@@ -199,25 +216,26 @@ def dispatch_completes(n_tiles: int, k_tiles: int, sms: int, resident: int, reve
 
 
 def stripe_critical_path(n_tiles: int, k_tiles: int, sms: int) -> int:
-    """The launch's length in k-tile iterations when each block computes one k-tile per unit of time and a piece
-    waits for the tile's lock (:func:`stripe_pieces` order; the reduction itself counted as free): ``per`` when
-    no block stalls on another, up to ``grid * per`` when every block waits for the one before it."""
+    """The launch's length in k-tile iterations when each block computes one k-tile per unit of time and a tile's
+    k = 0 piece waits for its other pieces (:func:`stripe_pieces`; the reduction itself counted as free): ``per``
+    when no block stalls on another."""
     blocks = stripe_pieces(n_tiles, k_tiles, sms)
-    done: dict[tuple[int, int], int] = {}  # (tile, order) -> time its partial sums are in
-    cursor = [0] * len(blocks)  # next piece per block
-    clock = [0] * len(blocks)
-    while any(c < len(p) for c, p in zip(cursor, blocks)):
-        progressed = False
-        for b, pieces in enumerate(blocks):
-            while cursor[b] < len(pieces):
-                t, k_lo, k_hi, order = pieces[cursor[b]]
-                if order > 0 and (t, order - 1) not in done:
-                    break  # waits on a piece not yet simulated
-                ready = clock[b] + (k_hi - k_lo)
-                clock[b] = max(ready, done.get((t, order - 1), 0))
-                done[(t, order)] = clock[b]
-                cursor[b] += 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError("stripe schedule deadlocks: a piece waits on one that waits on it")
-    return max(clock)
+    _, per = stripe_plan(n_tiles, k_tiles, sms)
+    stored: dict[int, list[int]] = {}  # tile -> times its pieces above k = 0 were stored
+    for pieces in blocks:  # a piece above k = 0 never waits: its block's clock alone says when it is stored
+        clock = 0
+        for t, k_lo, k_hi, slot in pieces:
+            clock += k_hi - k_lo
+            if slot >= 0:
+                stored.setdefault(t, []).append(clock)
+    end = 0
+    for pieces in blocks:
+        clock = 0
+        for t, k_lo, k_hi, slot in pieces:
+            clock += k_hi - k_lo
+            if slot < 0:
+                first, last = tile_stripes(t, k_tiles, per)
+                assert len(stored.get(t, [])) == last - first
+                clock = max([clock] + stored.get(t, []))
+        end = max(end, clock)
+    return end

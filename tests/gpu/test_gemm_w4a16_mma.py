@@ -91,7 +91,7 @@ def test_gemm_matches_reference(m, kind, dtype):
 def test_long_stripes_every_format(sms, kind, dtype):
     """Stripes of many k-tiles crossing column tiles (1 block walks all 48; 5 blocks walk 10 each): the 4-stage
     ring is reused, group scales carry over and restart at a new column tile, skipped scale slots, and the
-    reverse-K reduction of pieces that share a tile, for every format (M = 24: two m16 tiles)."""
+    slot reduction of pieces that share a tile, for every format (M = 24: two m16 tiles)."""
     _, bits, gs, asym, act_order = kind
     k, n = 1024, 768
     cw = canonical(k, n, bits, gs, asym, act_order, seed=sms + bits)
@@ -113,10 +113,14 @@ def test_unaligned_activation_view():
     check(gemm.wna16_gemm(x, p, path="lqe-w4a16-mma"), reference(x, p, None), 512)
 
 
-@pytest.mark.parametrize("sms", [1, 2, 5, 37, None])
+@pytest.mark.parametrize("sms", [1, 2, 5, 37, None, "2x", 500])
 @pytest.mark.parametrize("m", [1, 48])
 def test_every_stripe_count_gives_the_same_deterministic_result(sms, m):
-    """1 block (no reduction) to many stripes per column tile (lock-ordered reduction); twice = bit-identical."""
+    """1 block (no reduction) to many stripes per column tile (each piece above k = 0 in a workspace slot of its
+    own, added up by the k = 0 piece in slot order): two blocks per SM ("2x") and more blocks than fit at once (500:
+    a k = 0 piece waits only on blocks dispatched before it); twice = bit-identical."""
+    if sms == "2x":
+        sms = 2 * torch.cuda.get_device_properties(0).multi_processor_count
     k, n = 4096, 512
     cw = canonical(k, n, 4, 128, True, False, seed=3)
     p = packed_on_gpu(cw, torch.bfloat16)
