@@ -189,6 +189,17 @@ def test_stage_dry_run_skips_named_steps(tmp_path):
     assert _ran(calls, "benchmarks/e2e_gpu.py", "llama3-8b")
 
 
+def test_w4a16_stage_runs_the_wna16_sweep_when_asked(tmp_path):
+    proc, calls, out = _dry_run(tmp_path, ["--w4a16"], LQE_SKIP="tests e2e", LQE_WNA16_SWEEP="1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _ran(calls, "benchmarks/kernels.py", "--wna16-sweep", "--m 16 32 64 128", "kernels-wna16-sweep-stub-gpu.json")
+    assert _ran(calls, "benchmarks/kernels.py", "--w4a16")
+    _assert_comes_back(out)
+    (tmp_path / "off").mkdir()
+    proc, calls, _ = _dry_run(tmp_path / "off", ["--w4a16"], LQE_SKIP="tests e2e")
+    assert not _ran(calls, "--wna16-sweep")
+
+
 def test_run_gpu_dry_run_writes_the_summary(tmp_path):
     """The whole gate (no stage argument): tests split into groups, every stage reached, gpu-<slug>.json written
     with the test counts read back from the groups' JUnit XML."""

@@ -6,7 +6,9 @@
 #   3. sweep: the W4A16 M sweep on the four Llama-3-8B shapes (M = 1 .. 1024): lqe-w4a16-mma and its dequantize +
 #      cuBLAS beside the layer path lqe-w4a16, torch int4pack, triton-wna16, triton-wna16-swap, dequant + cuBLAS and cuBLAS bf16,
 #      with bytes floors; it prints the WNA16_MMA_TABLE the measurement implies -> $OUTDIR/kernels-w4a16-<gpu>.json
-#      (kept apart from kernels-<gpu>.json, which the W8A8 stage and run_gpu.sh write; rows saved shape by shape),
+#      (kept apart from kernels-<gpu>.json, which the W8A8 stage and run_gpu.sh write; rows saved shape by shape);
+#      LQE_WNA16_SWEEP=1 adds the triton-wna16 tile-config sweep at M = 16..128 (kernels.py --wna16-sweep, which
+#      prints the paste-able CONFIG_TABLE) -> $OUTDIR/kernels-wna16-sweep-<gpu>.json,
 #   4. e2e: the llama3-8b shape, bf16 and w4a16 (dispatch.WNA16_TABLE: set it from step 3's implied table first)
 #      in the same run, no eager columns, LQE_W4A16_REQUESTS (default 32) requests -> $OUTDIR/e2e-<gpu>.json, rows
 #      saved variant by variant. LQE_W4A16_VARIANTS adds w4a16-mma / w4a16-swap (the same checkpoint on
@@ -29,6 +31,15 @@ if [[ $BUILD_RC -eq 0 ]]; then
       --m ${LQE_KERNEL_MS:-1 2 4 8 16 32 64 128 256 1024} --out "$OUTDIR/kernels-w4a16-$SLUG.json" 2>&1 \
       | tee "$LOGDIR/kernels-w4a16.txt" | grep -v "^lqe-\|^cublas\|^torch\|^triton" | tail -40
     rc_sweep=${PIPESTATUS[0]}
+    pack_logs
+  fi
+  if [[ "${LQE_WNA16_SWEEP:-0}" == 1 ]] && ! skip sweep; then
+    echo "== triton-wna16 tile-config sweep (M = 16..128: the layer path's weakest range, never swept)"
+    timeout "$(budget "${LQE_SWEEP_TIMEOUT:-150}")" python benchmarks/kernels.py --wna16-sweep --m 16 32 64 128 \
+      --shapes 4096x6144 14336x4096 --out "$OUTDIR/kernels-wna16-sweep-$SLUG.json" > "$LOGDIR/wna16-sweep.log" 2>&1
+    wrc=$?
+    grep -E "^# |^[A-Z_0-9]+ = \[|^    \(|^\]" "$LOGDIR/wna16-sweep.log" | tail -60
+    (( wrc != 0 )) && rc_sweep=$wrc
     pack_logs
   fi
   if ! skip e2e; then

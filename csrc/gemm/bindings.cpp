@@ -73,9 +73,10 @@ at::Tensor wna16_dequant(const at::Tensor& qweight, const at::Tensor& scales, co
   return out;
 }
 
-// lqe-w4a16-mma (csrc/gemm/w4a16_mma.cu): out = x @ W (+ bias) on the repack_mma layout. ws (fp32, >= 64 *
-// n_pad) and locks (int32, >= n_pad / 256, zero) are preallocated by the caller (lqe/kernels/gemm.py), so a
-// call allocates nothing and can be captured in a CUDA graph.
+// lqe-w4a16-mma (csrc/gemm/w4a16_mma.cu): out = x @ W (+ bias) on the repack_mma layout. ws (fp32, the stripe
+// plan's slots x 64 x n_pad: checked by the launcher) and locks (int32, >= n_pad / 256, zero; a launch that failed
+// midway may leave them non-zero: reserve new ones) are preallocated by the caller (lqe.kernels.gemm_mma
+// reserve_workspace, at load), so a call allocates nothing and can be captured in a CUDA graph.
 at::Tensor w4a16_mma_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                           const c10::optional<at::Tensor>& zeros, const c10::optional<at::Tensor>& bias,
                           at::Tensor out, const at::Tensor& ws, const at::Tensor& locks, int64_t bits,
@@ -96,7 +97,8 @@ at::Tensor w4a16_mma_gemm(const at::Tensor& x, const at::Tensor& qweight, const 
   TORCH_CHECK(qweight.numel() * 32 == k_pad * n_pad * bits, "lqe w4a16-mma: qweight holds ", qweight.numel(),
               " words, expected k_pad*n_pad*bits/32");
   TORCH_CHECK(ws.scalar_type() == at::kFloat && ws.numel() >= lqe::kMmaMaxRows * n_pad,
-              "lqe w4a16-mma: ws must be float32 with >= 64 * n_pad elements");
+              "lqe w4a16-mma: ws must be float32 with >= 64 * n_pad elements (the stripe plan's slots x 64 x n_pad: "
+              "lqe.kernels.gemm_mma.reserve_workspace)");
   TORCH_CHECK(locks.scalar_type() == at::kInt && locks.numel() >= n_pad / lqe::kMmaTileN,
               "lqe w4a16-mma: locks must be int32 with >= n_pad / 256 elements");
   TORCH_CHECK(group_size > 0 && scales.size(0) >= (K + group_size - 1) / group_size,
@@ -105,8 +107,9 @@ at::Tensor w4a16_mma_gemm(const at::Tensor& x, const at::Tensor& qweight, const 
   // cp.async copies 16 bytes from qweight / scales / zeros, the epilogue stores two outputs as one 32-bit word
   const auto misaligned = [](const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n != 0; };
   TORCH_CHECK(!misaligned(qweight.data_ptr(), 16) && !misaligned(scales.data_ptr(), 16) &&
-                  !(zeros.has_value() && misaligned(zeros->data_ptr(), 16)) && !misaligned(out.data_ptr(), 4),
-              "lqe w4a16-mma: qweight / scales / zeros must be 16-byte aligned and out 4-byte aligned "
+                  !(zeros.has_value() && misaligned(zeros->data_ptr(), 16)) && !misaligned(out.data_ptr(), 4) &&
+                  !misaligned(ws.data_ptr(), 8),
+              "lqe w4a16-mma: qweight / scales / zeros must be 16-byte aligned, out 4-byte and ws 8-byte aligned "
               "(a view at an odd offset: pass a copy)");
   raise_if(lqe::launch_w4a16_mma(dt, (int)bits, x.data_ptr(), qweight.data_ptr(), scales.data_ptr(),
                                  opt_ptr(zeros, "zeros", x), opt_ptr(bias, "bias", x), out.data_ptr(),
