@@ -40,8 +40,7 @@ __global__ void __launch_bounds__(kWna16Threads) wna16_gemm_kernel(
     const int col_base = nt * 64 + g8 * 8;  // this lane's 8 stored scale columns
     typename D::P prm[8];
     int cur_g = -1;
-    for (int ks = ks0; ks < ks1; ks += kUnroll) {
-      uint32_t w[kUnroll][4 * V4];
+    auto load_w = [&](uint32_t(&w)[kUnroll][4 * V4], int ks) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
@@ -49,6 +48,8 @@ __global__ void __launch_bounds__(kWna16Threads) wna16_gemm_kernel(
           const uint4 r = ld_stream_v4(bp + (size_t)(ks - ks0 + u) * bstride + v);
           w[u][4 * v + 0] = r.x; w[u][4 * v + 1] = r.y; w[u][4 * v + 2] = r.z; w[u][4 * v + 3] = r.w;
         }
+    };
+    auto compute = [&](const uint32_t(&w)[kUnroll][4 * V4], int ks) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int k0 = (ks + u) * 16;
@@ -86,6 +87,26 @@ __global__ void __launch_bounds__(kWna16Threads) wna16_gemm_kernel(
 #pragma unroll
           for (int i = 0; i < MT; ++i) MmaF16<T>::run(acc[i][j], a[i], b0, b1);
         }
+      }
+    };
+    if constexpr (MT == 1) {
+      // Decode (M <= 16): the next kUnroll slabs are requested before this one's dequantize + mma, so a warp keeps
+      // its weight loads in flight while it computes (the loads are volatile asm: the compiler keeps them where
+      // they are written). At larger MT the second buffer would crowd the accumulators out of registers.
+      uint32_t w0[kUnroll][4 * V4], w1[kUnroll][4 * V4];
+      if (ks0 < ks1) load_w(w0, ks0);
+      for (int ks = ks0; ks < ks1; ks += 2 * kUnroll) {
+        if (ks + kUnroll < ks1) load_w(w1, ks + kUnroll);
+        compute(w0, ks);
+        if (ks + kUnroll >= ks1) break;
+        if (ks + 2 * kUnroll < ks1) load_w(w0, ks + 2 * kUnroll);
+        compute(w1, ks + kUnroll);
+      }
+    } else {
+      for (int ks = ks0; ks < ks1; ks += kUnroll) {
+        uint32_t w[kUnroll][4 * V4];
+        load_w(w, ks);
+        compute(w, ks);
       }
     }
   }
