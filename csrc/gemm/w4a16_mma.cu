@@ -30,6 +30,7 @@ namespace {
 
 constexpr int kThreads = 128;  // 4 warps, warp w owns columns [64w, 64w + 64) of the block tile
 constexpr int kStages = 4;     // NEEDS MEASUREMENT: 4..6 (bytes in flight per SM vs shared memory)
+static_assert((kStages & (kStages - 1)) == 0, "the ring slot of stage i is i & (kStages - 1)");
 
 template <int BITS, int MB>
 struct Smem {
@@ -115,25 +116,53 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
   const T* S = static_cast<const T*>(a.S);
   const T* Z = static_cast<const T*>(a.Z);
   const bool has_zp = Z != nullptr;
-  auto group_of = [&](int krow) { return min(a.gs_shift >= 0 ? krow >> a.gs_shift : krow / a.group_size, a.groups - 1); };
+  // group_of(k0 + 16 s) for the four slabs s = 0..3 (16 rows of K each) from row k0, the power-of-two test made
+  // once for the four. A slab starts a new scale group iff its group differs from the slab above it.
+  auto slab_groups = [&](int k0, int (&g)[4]) {
+    if (a.gs_shift >= 0) {
+#pragma unroll
+      for (int s = 0; s < 4; ++s) g[s] = min((k0 + 16 * s) >> a.gs_shift, a.groups - 1);
+    } else {
+#pragma unroll
+      for (int s = 0; s < 4; ++s) g[s] = min((k0 + 16 * s) / a.group_size, a.groups - 1);
+    }
+  };
 
-  // the (column tile, k-tile) of the next stage to load, advanced one k-tile per load (no division per stage)
-  int load_nt = it0 / a.k_tiles, load_kt = it0 - load_nt * a.k_tiles;
+  // The (column tile, k-tile) of work item it0. The loader state below and the main loop's (nt, kt) each advance
+  // one k-tile per stage from it (no division per stage).
+  const int nt0 = it0 / a.k_tiles, kt0 = it0 - nt0 * a.k_tiles;
+  // Loader state: the k-tile of the next stage, the global byte address of this thread's first weight vector in it
+  // (B holds [k_tiles][n_tiles] runs of kB bytes) and that of its scale / zero-point chunk in group row 0 (below).
+  // Addresses are unsigned integers: the step back to k-tile 0 of the next column tile is an add modulo 2^64, and
+  // no 64-bit multiply is left per stage.
+  int load_kt = kt0;
+  uint64_t load_b = reinterpret_cast<uint64_t>(a.B) + ((uint64_t)kt0 * a.n_tiles + nt0) * SM::kB + tid * 16;
+  const uint64_t b_step = (uint64_t)a.n_tiles * SM::kB;                // (kt, nt) -> (kt + 1, nt)
+  const uint64_t b_wrap = SM::kB - (uint64_t)(a.k_tiles - 1) * b_step;  // (k_tiles - 1, nt) -> (0, nt + 1)
+  const uint32_t smem0 = smem_u32(smem);
+  // Scale / zero-point copies, warp-uniform roles: warp 0 copies the scale rows of slots 0 and 2, warp 1 their
+  // zero-point rows, warps 2 and 3 the same for slots 1 and 3; lane l the 16 bytes of columns [8 l, 8 l + 8).
+  const int sc_slot = tid >> 6, sc_lane = tid & 31;
+  const bool sc_zp = (tid & 63) >= 32;
+  const uint32_t sc_row = sizeof(T) * a.n_pad;  // bytes per group row (< 2^32: n_pad < 2^31)
+  // (a zero-point address is formed but never used when Z is null; + g * sc_row is one IMAD.WIDE.U32)
+  uint64_t sc_src = reinterpret_cast<uint64_t>(sc_zp ? Z : S) + ((uint64_t)nt0 * kMmaTileN + sc_lane * 8) * sizeof(T);
+  const uint32_t sc_dst = SM::kB + SM::kA + (sc_zp ? SM::kS : 0) + sc_slot * 512 + sc_lane * 16;
   auto load_stage = [&](int slot) {
-    uint8_t* st = smem + slot * SM::kStage;
-    const int nt = load_nt, kt = load_kt;
+    const int kt = load_kt;
+    const uint64_t src = load_b, sc_base = sc_src;
     if (++load_kt == a.k_tiles) {
       load_kt = 0;
-      ++load_nt;
+      load_b += b_wrap;
+      sc_src += kMmaTileN * sizeof(T);
+    } else {
+      load_b += b_step;
     }
-    const uint4* src = a.B + ((size_t)kt * a.n_tiles + nt) * (SM::kB / 16);
-    const uint32_t bdst = smem_u32(st);
+    const uint32_t dst = smem0 + slot * SM::kStage;
 #pragma unroll
-    for (int i = 0; i < SM::kB / 16 / kThreads; ++i) {
-      const int c = i * kThreads + tid;
-      cp16_l2_hint(bdst + c * 16, src + c, pol);
-    }
-    const uint32_t adst = bdst + SM::kB;
+    for (int i = 0; i < SM::kB / 16 / kThreads; ++i)  // chunk c = i * kThreads + tid
+      cp16_l2_hint(dst + tid * 16 + i * kThreads * 16, reinterpret_cast<const void*>(src + i * kThreads * 16), pol);
+    const uint32_t adst = dst + SM::kB;
 #pragma unroll
     for (int i = 0; i < MB; ++i) {  // MB*16 rows x 8 chunks of 16 bytes
       const int c = i * kThreads + tid, r = c >> 3, ch = c & 7;
@@ -141,16 +170,16 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
       const bool ok = r < a.M && kcol < a.K;
       cp16_zfill(adst + r * 128 + ((ch ^ (r & 7)) << 4), ok ? A + (size_t)r * a.K + kcol : A, ok);
     }
-    const uint32_t sdst = adst + SM::kA;
-    for (int c = tid; c < 4 * 64; c += kThreads) {  // slot s, 32 chunks of scales then 32 of zero points
-      const int s = c >> 6, part = c & 63;
-      const bool zp = part >= 32;
-      if (zp && !has_zp) continue;
-      const int g = group_of(kt * kMmaTileK + 16 * s);
-      if (s > 0 && g == group_of(kt * kMmaTileK + 16 * (s - 1))) continue;  // the reader keeps its registers
-      const T* base = zp ? Z : S;
-      cp16(sdst + (zp ? SM::kS : 0) + s * 512 + (part & 31) * 16,
-           base + (size_t)g * a.n_pad + nt * kMmaTileN + (part & 31) * 8);
+    // Slot s gets its group's row only where slab s opens a new group (slot 0 always): the reader keeps its
+    // registers otherwise. g[] = the groups of slabs sc_slot - 1 .. sc_slot + 2 (g[0] unused when sc_slot = 0;
+    // g[1], g[3] >= 0).
+    if (!sc_zp || has_zp) {
+      int g[4];
+      slab_groups(kt * kMmaTileK + 16 * (sc_slot - 1), g);
+      if (sc_slot == 0 || g[1] != g[0])
+        cp16(dst + sc_dst, reinterpret_cast<const void*>(sc_base + (uint64_t)(uint32_t)g[1] * sc_row));
+      if (g[3] != g[2])
+        cp16(dst + sc_dst + 2 * 512, reinterpret_cast<const void*>(sc_base + (uint64_t)(uint32_t)g[3] * sc_row));
     }
   };
 
@@ -242,59 +271,91 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
   typename D::P prm[8];
   int cur_g = -1;
   const T zc = from_f<T>((float)(1 << (BITS - 1)));
-  int nt = it0 / a.k_tiles, kt = it0 - nt * a.k_tiles;  // this iteration's tile, advanced at its end
+  // MB <= 2: the whole k-tile's weight words and A fragments (4 register buffers) and slab 0's scales are read from
+  // shared memory right after the barrier, before the next stage's cp.async issue, so no dequantize waits on a
+  // shared-memory load. MB = 4 (kPre = 0): each slab is read at its turn, one buffer (more would push the
+  // accumulators out of registers).
+  constexpr int kPre = MB <= 2 ? 4 : 0, kBuf = kPre > 0 ? kPre : 1;
+  struct Frag {
+    uint32_t w[4 * V];
+    uint32_t af[MB][4];
+  };
+  // Per-thread byte offsets inside a stage: weight vector v of slab s at w_rd + (4 s V + v) * 512; the A fragment
+  // of slab s, m16 tile mi at (a_rd ^ (s << 5)) + mi * 2048, a_rd = kB + r * 128 + ((ch ^ (r & 7)) << 4) for
+  // r = lane & 15, ch = lane >> 4 (chunk 2 s + ch = (2 s) ^ ch: its swizzled offset is a_rd's bits 4..6 xor 2 s,
+  // and kB + r * 128 has none of those bits; row + 16 mi keeps r & 7); the 8 scales of slab s at s_rd + s * 512
+  // (zero points kS further).
+  const uint32_t w_rd = (warp * V * 32 + lane) * 16;
+  const uint32_t a_rd = SM::kB + (lane & 15) * 128 + (((lane >> 4) ^ (lane & 7)) << 4);
+  const uint32_t s_rd = SM::kB + SM::kA + (warp * 64 + g8 * 8) * sizeof(T);
+  int nt = nt0, kt = kt0;  // this iteration's tile, advanced at its end
   const int k_lo0 = kt;  // the first piece starts mid-tile; every later one at k = 0
-  for (int it = it0; it < it1; ++it) {
-    const int i = it - it0;
+  const int n_it = it1 - it0;  // iteration i is work item it0 + i
+  for (int i = 0; i < n_it; ++i) {
     cp_wait<kStages - 2>();
     __syncthreads();  // stage i landed for every thread; slot (i - 1) % kStages is free
-    if (it + kStages - 1 < it1) load_stage((i + kStages - 1) % kStages);
-    cp_commit();
-    const uint8_t* st = smem + (i % kStages) * SM::kStage;
-    const uint4* bsm = reinterpret_cast<const uint4*>(st);
-    const uint32_t abase = smem_u32(st + SM::kB);
-    const T* ssm = reinterpret_cast<const T*>(st + SM::kB + SM::kA);
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      const int g = group_of(kt * kMmaTileK + 16 * s);
-      if (g != cur_g) {  // a new group (or a new column tile): 8 scales (+ zero points) from the stage's slot
-        cur_g = g;
-        const uint4 sv = *reinterpret_cast<const uint4*>(ssm + s * kMmaTileN + warp * 64 + g8 * 8);
-        const T* s8 = reinterpret_cast<const T*>(&sv);
-        if (has_zp) {
-          const uint4 zv = *reinterpret_cast<const uint4*>(ssm + 4 * kMmaTileN + s * kMmaTileN + warp * 64 + g8 * 8);
-          const T* z8 = reinterpret_cast<const T*>(&zv);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) prm[j] = D::prep(s8[j], z8[j]);
-        } else {
-#pragma unroll
-          for (int j = 0; j < 8; ++j) prm[j] = D::prep(s8[j], zc);
-        }
-      }
-      uint32_t w[4 * V];
+    const uint8_t* st = smem + (i & (kStages - 1)) * SM::kStage;
+    const uint32_t st32 = smem_u32(st);
+    auto fetch = [&](Frag& f, int s) {
 #pragma unroll
       for (int v = 0; v < V; ++v) {
-        const uint4 r = bsm[((s * 4 + warp) * V + v) * 32 + lane];
-        w[4 * v + 0] = r.x;
-        w[4 * v + 1] = r.y;
-        w[4 * v + 2] = r.z;
-        w[4 * v + 3] = r.w;
+        const uint4 r = *reinterpret_cast<const uint4*>(st + w_rd + (s * 4 * V + v) * 512);
+        f.w[4 * v + 0] = r.x;
+        f.w[4 * v + 1] = r.y;
+        f.w[4 * v + 2] = r.z;
+        f.w[4 * v + 3] = r.w;
       }
-      uint32_t af[MB][4];
 #pragma unroll
-      for (int mi = 0; mi < MB; ++mi) {
-        const int r = mi * 16 + (lane & 15), ch = 2 * s + (lane >> 4);
-        ldmatrix_x4(af[mi], abase + r * 128 + ((ch ^ (r & 7)) << 4));
+      for (int mi = 0; mi < MB; ++mi) ldmatrix_x4(f.af[mi], st32 + (a_rd ^ (s << 5)) + mi * 2048);
+    };
+    uint4 sv, zv;  // the scale (+ zero-point) vector of a slab that opens a group
+    auto fetch_scales = [&](int s) {
+      sv = *reinterpret_cast<const uint4*>(st + s_rd + s * 512);
+      if (has_zp) zv = *reinterpret_cast<const uint4*>(st + s_rd + SM::kS + s * 512);
+    };
+    auto prep = [&]() {
+      const T* s8 = reinterpret_cast<const T*>(&sv);
+      if (has_zp) {
+        const T* z8 = reinterpret_cast<const T*>(&zv);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) prm[j] = D::prep(s8[j], z8[j]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) prm[j] = D::prep(s8[j], zc);
       }
+    };
+    auto compute = [&](const Frag& f) {
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         uint32_t b0, b1;
-        D::tile(w, j, prm[j], b0, b1);
+        D::tile(f.w, j, prm[j], b0, b1);
 #pragma unroll
-        for (int mi = 0; mi < MB; ++mi) MmaF16<T>::run(acc[mi][j], af[mi], b0, b1);
+        for (int mi = 0; mi < MB; ++mi) MmaF16<T>::run(acc[mi][j], f.af[mi], b0, b1);
       }
+    };
+    Frag f[kBuf];  // slab s in f[s % kBuf]
+#pragma unroll
+    for (int s = 0; s < kPre; ++s) fetch(f[s], s);  // slot i is read, slot (i + kStages - 1) % kStages written below
+    int g[4];
+    slab_groups(kt * kMmaTileK, g);
+    bool fresh[4];  // slab s opens a new group (or a new piece: cur_g = -1): 8 scales (+ zero points) from slot s
+    fresh[0] = g[0] != cur_g;
+#pragma unroll
+    for (int s = 1; s < 4; ++s) fresh[s] = g[s] != g[s - 1];
+    cur_g = g[3];
+    if (kPre > 0 && fresh[0]) fetch_scales(0);
+    if (i + kStages - 1 < n_it) load_stage((i + kStages - 1) & (kStages - 1));
+    cp_commit();
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      if (s >= kPre) fetch(f[s % kBuf], s);
+      if (fresh[s]) {
+        if (s > 0 || kPre == 0) fetch_scales(s);
+        prep();
+      }
+      compute(f[s % kBuf]);
     }
-    if (kt == a.k_tiles - 1 || it == it1 - 1) {
+    if (kt == a.k_tiles - 1 || i == n_it - 1) {
       finish_piece(nt, it0 > nt * a.k_tiles ? k_lo0 : 0);
 #pragma unroll
       for (int mi = 0; mi < MB; ++mi)
