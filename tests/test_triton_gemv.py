@@ -20,7 +20,7 @@ SCRIPT = """
 
     f16, bf16 = torch.float16, torch.bfloat16
     for kind in ("int8", "fp8"):
-        # CUDA-core path: M=1 (2-d reduce), M=3 (3-d reduce, one padded token); split-K with a ragged last split
+        # CUDA-core path: M=1 (2-d reduce), M=3 (one reduce per token, one padded token); split-K, ragged last split
         G.check_gemv(1, 72, 200, C(16, 32, False, split_k=3), kind, dt=f16)
         G.check_gemv(3, 40, 200, C(16, 64, False, split_k=2), kind, bias=False, dt=bf16)
         G.check_gemv(1, 40, 96, C(32, 32, False, split_k=1), kind, static=True, dt=f16)
