@@ -107,8 +107,7 @@ __global__ void __launch_bounds__(kW8a8Threads) w8a8_gemm_kernel(
   const int rows = min(MT * 16, M - m0), cols = min(kW8a8BlockN, N - n0);
   for (int e = threadIdx.x; e < rows * cols; e += blockDim.x) {
     const int row = m0 + e / cols, col = n0 + e % cols;
-    int s = 0;
-    for (int z = 0; z < (int)gridDim.z; ++z) s += __ldcg(ws + ((size_t)z * M + row) * N + col);
+    const int s = splitk_sum(ws + (size_t)row * N + col, (size_t)M * N, (int)gridDim.z);
     C[(size_t)row * N + col] = from_f<T>(epilogue(row, col, s));
   }
 }

@@ -145,8 +145,7 @@ __global__ void __launch_bounds__(kWna16Threads) wna16_gemm_kernel(
   const int rows = min(MT * 16, M - m0), cols = min(kWna16BlockN, N - n0);
   for (int e = threadIdx.x; e < rows * cols; e += blockDim.x) {
     const int row = m0 + e / cols, col = n0 + e % cols;
-    float s = 0.f;
-    for (int z = 0; z < (int)gridDim.z; ++z) s += __ldcg(ws + ((size_t)z * M + row) * N + col);
+    float s = splitk_sum<float>(ws + (size_t)row * N + col, (size_t)M * N, (int)gridDim.z);
     if (bias) s += to_f(bias[col]);
     C[(size_t)row * N + col] = from_f<T>(s);
   }
