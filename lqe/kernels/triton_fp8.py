@@ -165,7 +165,7 @@ if triton is not None:
             arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
             if arrived == SPLIT_K - 1:  # last program of the tile: sum the partials in split order
                 total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for s in range(SPLIT_K):
+                for s in tl.static_range(SPLIT_K):  # unrolled: every split's load in flight, summed in order
                     total += tl.load(ws_ptr + (s * m_pad + rm)[:, None] * N + rn[None, :], mask=mask, other=0.0,
                                      cache_modifier=".cg")
                 tl.atomic_xchg(cnt_ptr + tile, 0)

@@ -219,7 +219,7 @@ if triton is not None:
                     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 else:
                     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-                for s in range(SPLIT_K):
+                for s in tl.static_range(SPLIT_K):  # unrolled: every split's load in flight, summed in order
                     p = tl.load(ws_ptr + (s * BLOCK_M + rm)[:, None] * N + rn[None, :], mask=mask, other=0,
                                 cache_modifier=".cg")  # L2: other SMs wrote them
                     if IS_FP8:
