@@ -331,7 +331,7 @@ if triton is not None:
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
         idx = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for s in range(SPLITS):  # fixed order: deterministic
+        for s in tl.static_range(SPLITS):  # fixed order: deterministic; unrolled, every split in flight
             acc += tl.load(Part + s * M * N + idx, mask=mask, other=0.0)
         if HAS_BIAS:
             acc += tl.load(Bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
