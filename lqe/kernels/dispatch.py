@@ -20,8 +20,12 @@ from __future__ import annotations
 # tok/s (smollm2 shape, K=576) and from 4889 to 2642 (qwen2.5-0.5b shape), so the Triton GEMM keeps M=5..128.
 # Every W4A16 path is still slower than bf16 from M=16 on for N <= 6144 (issue 14); the Triton configs have not
 # been swept yet (benchmarks/kernels.py --wna16-sweep).
+# H200, 0ebe3f7, graph-timed (benchmarks/results/kernels-graph-nvidia-h200.json, geo-mean over the 4 shapes): the
+# CUDA kernel 1.40x at M=1, 1.05x at M=4 (triton-wna16 1.07x); triton-wna16 0.88x at M=16, 0.62x at M=64;
+# dequant + cuBLAS 0.51x at M=256 (triton-wna16 0.46x), 0.81x at M=1024 (2 shapes): the rows below hold. The CUDA
+# kernel streamed its weights at 0.4-0.9 TB/s of 4.25 (its loads now run ahead of its compute: not measured yet).
 WNA16_TABLE: list[tuple[int | None, str]] = [
-    (4, "lqe-wna16-fused"),  # 1.5-2.1x cuBLAS bf16 at M=1
+    (4, "lqe-wna16-fused"),  # 1.5-2.1x cuBLAS bf16 at M=1 (H100, eager)
     (128, "triton-wna16"),  # 0.2-1.5x: good on wide N (gate_up 1.5x), poor on N=4096-6144 at M<=16 (0.2-0.3x)
     (None, "triton-dequant+cublas"),  # 0.5-0.8x: the dequantize runs at 85 % of copy bandwidth, then cuBLAS
 ]
