@@ -13,6 +13,7 @@ import math
 import torch
 
 MMA_ROWS = ("lqe-w4a16-mma", "lqe-w4a16-mma-dequant+cublas")
+FUSED_SPLIT_ROWS = {"lqe-w4a16-fused-t2": 2, "lqe-w4a16-fused-t8": 8}  # timed at M <= 16 only
 MMA_2CTA_ROW = "lqe-w4a16-mma-2cta"  # not a table name: gemm_mma.mma_gemm's sms (stripes) at 2 x the SM count
 
 
@@ -69,6 +70,15 @@ def w4a16_candidates(k: int, n: int, rotating, cycler, dev: str = "cuda") -> dic
             out[name] = ((lambda path, packed: lambda x: (lambda p=cycler(packed): lambda: lk.wna16_gemm(
                 x, p(), path=path))())(path, packed), w4bytes)
         add_wna16_candidates(out, k, n, p4, w4bytes, dev)
+        # the CUDA GEMV (the layer path at M <= 4) with fewer / more split-K blocks than its default target of
+        # gemm.TARGET_BLOCKS_PER_SM = 4 per SM: longer weight streams per warp against more blocks in flight
+        from lqe.kernels import gemm_mma
+
+        sms = gemm_mma.sm_count(torch.device(dev))
+        for per_sm in FUSED_SPLIT_ROWS.values():
+            splits = max(1, sms * per_sm // max(1, -(-n // 256)))
+            out[f"lqe-w4a16-fused-t{per_sm}"] = ((lambda splits: lambda x: (lambda p=cycler(p4): lambda: lk.wna16_gemm(
+                x, p(), path="fused", splits=splits))())(splits), w4bytes)
         for extra in ("triton-dequant+cublas", "triton-dequant-only"):  # dequant + cuBLAS is lqe-w4a16-dequant
             out.pop(extra, None)
         add_mma_rows(out, k, n, rotating, cycler, dev)
@@ -126,6 +136,8 @@ def w4a16_sweep(shapes: list[str], ms: list[int], copy_gbps: float, bench, rotat
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             base = None
             for name, (setup, wbytes) in cands.items():
+                if name in FUSED_SPLIT_ROWS and m > 16:
+                    continue
                 us = bench_row(bench, lambda: setup(x), f"{name} {shape} M={m}", rows, on_fault, kernel=name,
                                shape=shape, m=m)
                 if us is None:

@@ -219,14 +219,15 @@ def test_w4a16_rows_time_their_own_layout_whatever_the_table(w4a16_on_cpu):
             "triton-dequant-only": ("dequantize", "PackedWNA16"),
             "lqe-w4a16-mma": ("lqe-w4a16-mma", "PackedMMA"),
             "lqe-w4a16-mma-dequant+cublas": ("lqe-w4a16-mma-dequant+cublas", "PackedMMA"),
-            "lqe-w4a16-mma-2cta": ("lqe-w4a16-mma", "PackedMMA")}
+            "lqe-w4a16-mma-2cta": ("lqe-w4a16-mma", "PackedMMA"),
+            "lqe-w4a16-fused-t2": ("fused", "PackedWNA16"), "lqe-w4a16-fused-t8": ("fused", "PackedWNA16")}
     out = {}
     kb.add_w4a16_rows(out, 256, 128, dev="cpu")
-    assert _layouts(out, calls) == want
+    assert _layouts(out, calls) == {nm: v for nm, v in want.items() if nm not in k4.FUSED_SPLIT_ROWS}
     out = k4.w4a16_candidates(256, 128, kb.rotating, kb.cycler, dev="cpu")
     assert _layouts(out, calls) == {nm: v for nm, v in want.items() if nm in out}
     assert {"lqe-w4a16", "lqe-w4a16-dequant", "triton-wna16", "triton-wna16-swap", "lqe-w4a16-mma",
-            "triton-dequant-l2+cublas"} <= set(out)
+            "triton-dequant-l2+cublas", "lqe-w4a16-mma-2cta", *k4.FUSED_SPLIT_ROWS} <= set(out)
 
 
 def test_a_rows_run_keeps_the_other_rows_of_the_file(tmp_path):
