@@ -196,6 +196,9 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
   // in a higher stripe, i.e. a lower block, dispatched before this one) waits for the count once, then adds the
   // slots in order. No piece but the k = 0 one ever waits, so the wait lasts until the tile's slowest piece is in,
   // never a chain of them. mma_ref.stripe_pieces / dispatch_completes / stripe_critical_path model it.
+  // this thread's accumulator pair (i, j, h): problem row frag_row(i, h), output columns frag_col(nt, j) and + 1
+  auto frag_row = [&](int i, int h) { return i * 16 + g8 + 8 * h; };
+  auto frag_col = [&](int nt, int j) { return nt * kMmaTileN + warp * 64 + j * 8 + 2 * t4; };
   auto finish_piece = [&](int nt, int k_lo) {
     const int first = (nt * a.k_tiles) / a.per, others = (nt * a.k_tiles + a.k_tiles - 1) / a.per - first;
     int* count = a.locks + nt;
@@ -207,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
         for (int j = 0; j < 8; ++j)
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const int row = i * 16 + g8 + 8 * h, col = nt * kMmaTileN + warp * 64 + j * 8 + 2 * t4;
+            const int row = frag_row(i, h), col = frag_col(nt, j);
             if (row < a.M)
               __stcg(reinterpret_cast<float2*>(slot + (size_t)row * a.n_pad + col),
                      make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]));
@@ -229,7 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
           for (int j = 0; j < 8; ++j)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-              const int row = i * 16 + g8 + 8 * h, col = nt * kMmaTileN + warp * 64 + j * 8 + 2 * t4;
+              const int row = frag_row(i, h), col = frag_col(nt, j);
               part[j][h] = row < a.M ? __ldcg(reinterpret_cast<const float2*>(slot + (size_t)row * a.n_pad + col))
                                      : make_float2(0.f, 0.f);
             }
@@ -251,7 +254,7 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
       for (int j = 0; j < 8; ++j)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int row = i * 16 + g8 + 8 * h, col = nt * kMmaTileN + warp * 64 + j * 8 + 2 * t4;
+          const int row = frag_row(i, h), col = frag_col(nt, j);
           if (row >= a.M || col >= a.N) continue;
           float v0 = acc[i][j][2 * h], v1 = acc[i][j][2 * h + 1];
           if (bias) {

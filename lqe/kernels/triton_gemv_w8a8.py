@@ -199,8 +199,8 @@ if triton is not None:
                 else:
                     # one 2-d [BLOCK_N, BLOCK_K] multiply-reduce per token, in the weight tile's own layout
                     for mi in tl.static_range(BLOCK_M):
-                        xr = tl.load(x_ptr + tl.minimum(mi, M - 1) * stride_xm + kb * BLOCK_K + rk,
-                                     mask=(kb * BLOCK_K + rk) < K, other=0.0)
+                        xr = tl.load(x_ptr + tl.minimum(mi, M - 1) * stride_xm + kb * BLOCK_K + rk, mask=kmask,
+                                     other=0.0)
                         row = tl.sum(wf * xr.to(tl.float32)[None, :], axis=1)
                         if IS_FP8:
                             acc += tl.where(rm[:, None] == mi, row[None, :], 0.0)
