@@ -38,3 +38,18 @@ done
 while (( ${#pids[@]} > 0 )); do reap; done
 if (( fail )); then echo "compile_cuda: FAILED"; exit 1; fi
 echo "compile_cuda: OK (${SRCS[*]})"
+
+# The SASS of every object: no instruction may read a uniform register that nothing in its kernel writes
+# (.ci/sass_check.py: a ptxas 13.0 miscompile of cp.async with an L2 cache hint that killed lqe-w4a16-mma on the
+# H200 with "illegal instruction"). cuobjdump comes with the CUDA toolkit, or with the triton wheel torch installs.
+CUOBJDUMP="${CUOBJDUMP:-$(command -v cuobjdump || true)}"
+if [[ -z "$CUOBJDUMP" && -x "$(dirname "$NVCC")/cuobjdump" ]]; then CUOBJDUMP="$(dirname "$NVCC")/cuobjdump"; fi
+if [[ -z "$CUOBJDUMP" ]]; then
+  CUOBJDUMP=$("$PY" -c "import os, triton; p = os.path.join(os.path.dirname(triton.__file__), 'backends/nvidia/bin/cuobjdump'); print(p if os.access(p, os.X_OK) else '')" 2>/dev/null || true)
+fi
+if [[ -z "$CUOBJDUMP" ]]; then echo "sass_check: SKIP (cuobjdump not found)"; exit 0; fi
+for i in "${!SRCS[@]}"; do
+  "$CUOBJDUMP" -sass "$OUT/$i.o" | "$PY" .ci/sass_check.py --name "${SRCS[$i]}" || fail=1
+done
+if (( fail )); then echo "sass_check: FAILED (a kernel reads a uniform register it never writes: see above)"; exit 1; fi
+echo "sass_check: OK (every uniform register read is written; $("$CUOBJDUMP" --version | tail -1))"

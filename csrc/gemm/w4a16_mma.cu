@@ -140,6 +140,13 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
   const uint64_t b_step = (uint64_t)a.n_tiles * SM::kB;                // (kt, nt) -> (kt + 1, nt)
   const uint64_t b_wrap = SM::kB - (uint64_t)(a.k_tiles - 1) * b_step;  // (k_tiles - 1, nt) -> (0, nt + 1)
   const uint32_t smem0 = smem_u32(smem);
+  // The shared-memory address of this thread's first weight chunk in the slot the next load_stage fills. It is kept
+  // as one per-thread value (the select below, a no-op as M > 0, included) on purpose: given smem0 + slot * kStage +
+  // tid * 16, ptxas 13.0 folds the uniform part into the cache-hinted cp.async (SASS LDGSTS [R+UR0], desc[UR1])
+  // and reads UR0 / UR1:UR2 without ever writing them: "illegal instruction" on the H200 (compute-sanitizer,
+  // stop 38). .ci/sass_check.py fails the build on any such read.
+  const uint32_t w_first = smem0 + tid * 16, w_last = w_first + (kStages - 1) * SM::kStage;
+  uint32_t w_wr = a.M > 0 ? w_first : w_last;
   // Scale / zero-point copies, warp-uniform roles: warp 0 copies the scale rows of slots 0 and 2, warp 1 their
   // zero-point rows, warps 2 and 3 the same for slots 1 and 3; lane l the 16 bytes of columns [8 l, 8 l + 8).
   const int sc_slot = tid >> 6, sc_lane = tid & 31;
@@ -160,8 +167,9 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
     }
     const uint32_t dst = smem0 + slot * SM::kStage;
 #pragma unroll
-    for (int i = 0; i < SM::kB / 16 / kThreads; ++i)  // chunk c = i * kThreads + tid
-      cp16_l2_hint(dst + tid * 16 + i * kThreads * 16, reinterpret_cast<const void*>(src + i * kThreads * 16), pol);
+    for (int i = 0; i < SM::kB / 16 / kThreads; ++i)  // chunk c = i * kThreads + tid (w_wr: slot's chunk tid)
+      cp16_l2_hint(w_wr + i * kThreads * 16, reinterpret_cast<const void*>(src + i * kThreads * 16), pol);
+    w_wr = w_wr == w_last ? w_first : w_wr + SM::kStage;  // stages are loaded in slot order 0, 1, .., kStages - 1, 0
     const uint32_t adst = dst + SM::kB;
 #pragma unroll
     for (int i = 0; i < MB; ++i) {  // MB*16 rows x 8 chunks of 16 bytes

@@ -1,0 +1,66 @@
+"""The SASS check of .ci/compile_cuda.sh: it flags the uniform-register reads ptxas 13.0 left unwritten in
+lqe-w4a16-mma (an illegal instruction on the H200) and nothing in a kernel whose registers are all written."""
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("sass_check", ROOT / ".ci" / "sass_check.py")
+sass_check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sass_check)
+
+# Excerpts of cuobjdump -sass output of csrc/gemm/w4a16_mma.cu (sm_90a, nvcc 13.0), encodings cut.
+BROKEN = """
+        Function : _ZN3lqe16w4a16_mma_kernelI6__halfLi4ELi1EEEvNS0_7MmaArgsE
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0130*/                   UMOV UR8, 0xf0 ;
+        /*0170*/                   USHF.L.U32 UR9, UR9, 0x14, URZ ;
+        /*02f0*/                   ULDC.64 UR16, c[0x0][0x208] ;
+        /*0790*/              @!PT LDS RZ, [RZ] ;
+        /*07a0*/                   LDGSTS.E.BYPASS.128 [R118+UR0], desc[UR1][R6.64] ;
+        /*08f0*/                   LDGSTS.E.BYPASS.128 [R111+0x2000], desc[UR16][R6.64], P0 ;
+        /*0900*/                   EXIT ;
+"""
+FIXED = """
+        Function : _ZN3lqe16w4a16_mma_kernelI6__halfLi4ELi1EEEvNS0_7MmaArgsE
+        /*0130*/                   UMOV UR8, 0xf0 ;
+        /*0170*/                   USHF.L.U32 UR9, UR9, 0x14, URZ ;
+        /*02f0*/                   ULDC.64 UR16, c[0x0][0x208] ;
+        /*07a0*/                   LDGSTS.E.BYPASS.128 [R118], desc[UR8][R6.64] ;
+        /*07b0*/               @P1 LDGSTS.E.BYPASS.128 [R118+0x800], desc[UR8][R10.64+-0x800] ;
+        /*08f0*/                   LDGSTS.E.BYPASS.128 [R111+0x2000], desc[UR16][R6.64], P0 ;
+        /*0900*/                   IADD3 R4, P0, R2, UR16, RZ ;
+        /*0910*/                   EXIT ;
+        Function : _ZN3lqe5otherEv
+        /*0000*/                   S2UR UR7, SR_CTAID.X ;
+        /*0010*/                   UIMAD.WIDE UR14, UR7, 0x2000, URZ ;
+        /*0020*/                   IADD3 R19, P0, RZ, -UR15, RZ ;
+"""
+
+
+def test_flags_the_unwritten_registers_of_the_miscompiled_copy():
+    problems = sass_check.check(BROKEN)
+    assert len(problems) == 1
+    assert "/*07a0*/" in problems[0] and "UR0, UR1, UR2 never written" in problems[0]
+
+
+def test_passes_when_every_read_is_written_in_its_own_function():
+    assert sass_check.check(FIXED) == []  # desc pairs, .64 / .WIDE destinations, S2UR, predicated instructions
+
+
+def test_registers_are_per_function():
+    # UR16 written in the first function does not cover a read in the second
+    text = FIXED + "        /*0030*/                   IADD3 R4, P0, R2, UR16, RZ ;\n"
+    problems = sass_check.check(text)
+    assert len(problems) == 1 and "_ZN3lqe5otherEv" in problems[0] and "UR16 never written" in problems[0]
+
+
+def test_command_line_exit_codes():
+    def run(text):
+        return subprocess.run([sys.executable, str(ROOT / ".ci" / "sass_check.py"), "--name", "x.cu"],
+                              input=text, capture_output=True, text=True)
+    bad, good, empty = run(BROKEN), run(FIXED), run("no sass here\n")
+    assert bad.returncode == 1 and "x.cu" in bad.stdout and "UR1" in bad.stdout
+    assert good.returncode == 0 and good.stdout == ""
+    assert empty.returncode == 2 and "no SASS" in empty.stderr
