@@ -80,7 +80,7 @@ echo "== [2/5] GPU tests (${LQE_TEST_JOBS:-8} pytest processes side by side)"
 if ! skip_stage tests; then
   # the test ids split into LQE_TEST_JOBS groups, run concurrently on the one GPU (the tests
   # are latency-bound and small; nothing in them is timed), each group writing its own JUnit XML
-  rm -f "$LOGDIR"/gpu-tests-*.xml "$LOGDIR"/gpu-tests-*.fault
+  rm -f "$LOGDIR"/gpu-tests-*.xml "$LOGDIR"/gpu-tests-*.fault "$LOGDIR"/gpu-tests-*.dropped
   # test ids grouped by file (a module's fixtures, e.g. a model built once, are built in one process, not in every
   # group), a file with more than its share of the tests cut into consecutive chunks, the chunks dealt largest first
   # to the group with the fewest tests so far
@@ -165,6 +165,11 @@ for xml_path in sorted(glob.glob(os.path.join(logdir, "gpu-tests-*.xml"))):
             tests["passed"] += 1
 for fault_path in sorted(glob.glob(os.path.join(logdir, "gpu-tests-*.fault"))):  # tests/device_faults.py
     tests.setdefault("device_faults", []).extend(line.rstrip("\n") for line in open(fault_path) if line.strip())
+for dropped_path in sorted(glob.glob(os.path.join(logdir, "gpu-tests-*.dropped"))):  # budget.sh: a file's cap
+    for line in open(dropped_path):
+        if line.strip():
+            f = line.split("::", 1)[0]
+            tests.setdefault("dropped_after_faults", {})[f] = tests.get("dropped_after_faults", {}).get(f, 0) + 1
 ids_path = os.path.join(logdir, "gpu-test-ids.txt")
 if rcs["tests"] != -1 and os.path.exists(ids_path):  # collected but never reported: a group cut by its timeout
     collected = sum(1 for line in open(ids_path) if line.strip())
@@ -210,6 +215,8 @@ for cid in tests["failed_ids"][:30]:
     print("   FAILED", cid)
 for line in tests.get("device_faults", []):
     print("   CUDA CONTEXT LOST (the group went on in a fresh process):", line)
+for f, n in tests.get("dropped_after_faults", {}).items():
+    print(f"   NOT RUN: {n} tests of {f} (the file faulted LQE_FAULTS_PER_FILE times; its kernel faults on every call)")
 sys.exit(1 if tests["failed"] or tests["not_run"] or any(v > 0 or v == -2 for v in rcs.values()) else 0)
 EOF
 exit $?

@@ -82,7 +82,8 @@ if [[ "$1" == -c ]]; then
   exit 0
 fi
 if [[ "$1 $2" == "-m pytest" ]]; then
-  all=(); for t in ${LQE_STUB_TESTS:-test_a test_b}; do all+=("tests/gpu/test_stub.py::$t"); done
+  all=(); for t in ${LQE_STUB_TESTS:-test_a test_b}; do  # "name" in test_stub.py, or "file.py::name"
+    [[ "$t" == *::* ]] && all+=("tests/gpu/$t") || all+=("tests/gpu/test_stub.py::$t"); done
   if [[ "$*" == *--collect-only* ]]; then printf '%s\n' "${all[@]}"; exit 0; fi
   [[ -n "${LQE_STUB_CUT:-}" && "$*" == *"$LQE_STUB_CUT"* ]] && exit 124  # a group killed before its XML
   ids=(); xml=/dev/null
@@ -94,7 +95,7 @@ if [[ "$1 $2" == "-m pytest" ]]; then
     [[ -n "${LQE_TESTS_DONE_FILE:-}" ]] && printf 'start\t%s\n' "$id" >> "$LQE_TESTS_DONE_FILE"
     [[ -n "${LQE_STUB_CRASH:-}" && "$id" == *"::$LQE_STUB_CRASH" ]] && exit 1
     [[ -n "${LQE_TESTS_DONE_FILE:-}" ]] && printf 'end\t%s\tpassed\n' "$id" >> "$LQE_TESTS_DONE_FILE"
-    if [[ -n "${LQE_STUB_FAULT:-}" && "$id" == *"::$LQE_STUB_FAULT" ]]; then
+    if [[ " ${LQE_STUB_FAULT:-} " == *" ${id##*::} "* ]]; then  # (LQE_STUB_FAULT: names, space-separated)
       cases+="<testcase classname=\"stub\" name=\"${id##*::}\"><failure/></testcase>"
       printf '%s\tAcceleratorError: CUDA error: an illegal memory access was encountered\n' "$id" >> "$LQE_CUDA_FAULT_FILE"
       rc=2; break
@@ -266,6 +267,24 @@ def test_run_gpu_goes_on_after_a_device_fault(tmp_path):
     assert len(runs) == 2 and "test_a" not in runs[1] and "test_b" in runs[1] and "test_c" in runs[1], runs
     assert "gpu-tests-0.r1.xml" in _packed_logs(out)
     assert "CUDA CONTEXT LOST" in proc.stdout
+
+
+def test_a_file_that_keeps_faulting_is_dropped_after_the_cap(tmp_path):
+    """Each fault costs a fresh process: after LQE_FAULTS_PER_FILE faults in one file (a kernel that faults on every
+    call), that file's tests not reached are dropped, listed and counted as not run, and the other files still run."""
+    import json
+
+    proc, calls, out = _dry_run(tmp_path, [], LQE_SKIP="kernels e2e calib", LQE_TEST_JOBS="1",
+                                LQE_FAULTS_PER_FILE="2", LQE_STUB_FAULT="test_a test_b test_c test_d",
+                                LQE_STUB_TESTS="test_a test_b test_c test_d test_other.py::test_x")
+    assert proc.returncode != 0
+    tests = json.loads((out / "gpu-stub-gpu.json").read_text())["tests"]
+    assert [f.split("\t")[0].rsplit("::", 1)[1] for f in tests["device_faults"]] == ["test_a", "test_b"], tests
+    assert tests["dropped_after_faults"] == {"tests/gpu/test_stub.py": 2}, tests
+    assert tests["passed"] == 1 and tests["failed"] == 2 and tests["not_run"] == 2, tests
+    runs = [c for c in calls if c.startswith("-m pytest") and "--collect-only" not in c]
+    assert len(runs) == 3 and runs[2].split()[-1] == "tests/gpu/test_other.py::test_x", runs
+    assert "NOT RUN: 2 tests of tests/gpu/test_stub.py" in proc.stdout
 
 
 def test_stage_tests_go_on_after_a_device_fault(tmp_path):
