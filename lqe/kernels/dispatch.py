@@ -72,8 +72,11 @@ WNA16_MMA_TABLE: list[tuple[int | None, str]] = [
 # over the Llama-3-8B shapes, x cuBLAS bf16): triton-gemv 1.27x at M=1 (lqe-w8a8 1.42x, but it keeps a second copy
 # of the weights), 1.46x at M=16 (M = 2..8 ran a CUDA-core config then, 0.24x at M=4: triton_gemv_w8a8.CONFIGS now
 # gives them the M=16 one); int-mm+epilogue 1.11x at M=64 (triton-w8a8 0.66x); triton-w8a8 1.05x at M=256
-# (int-mm+epilogue 0.84x) and 1.66x at M=1024 (2 shapes). M = 128 is not measured. The eager H200 run of the same
-# commit (kernels-nvidia-h200.json) times Python launches at small M, not the kernels: see benchmarks/kernels.py.
+# (int-mm+epilogue 0.84x) and 1.66x at M=1024 (2 shapes). M = 128 is not measured. The eager H200 run of 3382fc4
+# (kernels-eager-nvidia-h200.json) timed Python launches at small M, not the kernels: see benchmarks/kernels.py.
+# Re-measured at 257cdec (graph-timed, kernels-nvidia-h200.json, 4096x6144 and 4096^2 only): with the M=16 config at
+# M=2..16 the GEMV runs 1.21x at M=4 (0.28x before) and 1.30x at M=16; with the integer int8->fp32 conversion 1.49x
+# at M=1 (1.21x on the same two shapes before); the layer path (lqe-w8a8-layer) 1.33 / 1.09 / 1.15x at M=1 / 4 / 16.
 W8A8_TABLE: list[tuple[int | None, str]] = [
     (16, "triton-gemv"),
     (128, "int-mm+epilogue"),
