@@ -377,7 +377,7 @@ def test_gpu_test_groups_keep_files_together_and_balance_cost():
     import sys
 
     sys.path.insert(0, str(ROOT / "benchmarks" / "stages"))
-    from test_groups import HEAVY_COST, cost, test_groups
+    from test_groups import HEAVY_S, LIGHT_S, cost, test_groups
 
     ids = ([f"tests/gpu/test_gemm_a.py::t[{i}]" for i in range(300)] + [f"tests/gpu/test_b.py::t{i}" for i in range(40)]
            + [f"tests/gpu/test_model_x.py::t{i}" for i in range(30)] + ["tests/gpu/test_c.py::t"])
@@ -386,11 +386,12 @@ def test_gpu_test_groups_keep_files_together_and_balance_cost():
     where = {f: {i for i, g in enumerate(groups) for t in g if t.startswith(f)} for f in
              ("tests/gpu/test_b.py", "tests/gpu/test_model_x.py", "tests/gpu/test_c.py")}
     assert len(where["tests/gpu/test_b.py"]) == 1 and len(where["tests/gpu/test_c.py"]) == 1, where
-    assert len(where["tests/gpu/test_model_x.py"]) == 2  # 30 x 8 over a share of 146: two chunks
+    assert len(where["tests/gpu/test_model_x.py"]) == 2  # 30 x 2.0 s over a share of 40.6 s: two chunks
     for name in ("test_gemm_a", "test_model_x"):  # files over their share: consecutive chunks
         for chunk in filter(None, ([t for t in g if name in t] for g in groups)):
             first = ids.index(chunk[0])
             assert chunk == ids[first:first + len(chunk)]
-    assert cost(ids[-2]) == HEAVY_COST and cost(ids[0]) == 1
+    assert cost(ids[-2]) == HEAVY_S and cost(ids[0]) == LIGHT_S  # files not measured: by name
+    assert cost("tests/gpu/test_gemm_wna16.py::t[0]") == 0.25  # measured: its seconds per test
     loads = [sum(map(cost, g)) for g in groups]
     assert max(loads) - min(loads) <= max(map(cost, ids)) * 30, loads
