@@ -373,7 +373,7 @@ def kernel_busy(llm, sp_cls, n: int, vocab: int, seed: int, skip_steps: int = 50
     it costs the window, not a whole generation."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    from workload import busy_union
+    from workload import busy_union, kernel_breakdown
 
     reqs = workload_256(vocab, n, lo, hi, seed=seed)
     params = [sp_cls(max_tokens=r.output_len, ignore_eos=True, temperature=0) for r in reqs]
@@ -415,7 +415,9 @@ def kernel_busy(llm, sp_cls, n: int, vocab: int, seed: int, skip_steps: int = 50
     busy, span = busy_union([(e.start_ns(), e.end_ns()) for e in events])
     return {"gpu_kernel_busy_256": round(busy / span, 3) if span else None, "kernel_busy_window_steps": steps,
             "kernel_busy_window_ms": round(span / 1e6, 1), "kernel_busy_requests": n, "kernel_busy_gpu_events": len(events),
-            "kernel_busy_steps_run": prof.step_num}
+            "kernel_busy_steps_run": prof.step_num,
+            # where the window's GPU time went: [kernel, calls, ms, share], the longest first (workload.kernel_breakdown)
+            "kernel_busy_top": kernel_breakdown([(e.name(), e.start_ns(), e.end_ns()) for e in events])}
 
 
 def workload_columns(reqs) -> dict:

@@ -72,6 +72,20 @@ def workload_floor(reqs: list[Request], *, matmul_params: int, weight_bytes: int
             "floor_bound": "compute" if flops / peak_flops >= nbytes / peak_bw else "memory"}
 
 
+def kernel_breakdown(events: list[tuple[str, int, int]], top: int = 12, width: int = 90) -> list[list]:
+    """The ``top`` kernels (or copies) by total device time: ``[name, calls, ms, share of the summed time]`` for
+    ``events`` ``(name, start_ns, end_ns)``, the longest first; names cut to ``width`` characters (templated CUDA
+    names run to hundreds). What a step's GPU time goes to: attention, the GEMMs of each format, norms, copies."""
+    total: dict[str, list] = {}
+    for name, start, end in events:
+        t = total.setdefault(name[:width], [0, 0])
+        t[0] += 1
+        t[1] += end - start
+    summed = sum(ns for _, ns in total.values()) or 1
+    rows = sorted(total.items(), key=lambda kv: -kv[1][1])[:top]
+    return [[name, calls, round(ns / 1e6, 3), round(ns / summed, 3)] for name, (calls, ns) in rows]
+
+
 def busy_union(intervals: list[tuple[int, int]]) -> tuple[int, int]:
     """``(busy, span)`` of GPU activity intervals ``(start, end)`` (any unit): ``busy`` the length of their union
     (overlapping kernels, e.g. on two streams, count once), ``span`` from the first start to the last end."""

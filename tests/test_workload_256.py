@@ -52,6 +52,17 @@ def test_busy_union_counts_overlaps_once():
     assert busy_union([(12, 20), (0, 10), (2, 8), (15, 17), (20, 22), (22, 23), (30, 33)]) == (10 + 11 + 3, 33)
 
 
+def test_kernel_breakdown_sums_calls_per_name_longest_first():
+    from workload import kernel_breakdown
+
+    ev = [("gemm", 0, 3_000_000), ("attn", 3_000_000, 4_000_000), ("gemm", 5_000_000, 8_000_000),
+          ("x" * 200, 8_000_000, 8_500_000)]
+    rows = kernel_breakdown(ev, top=2, width=50)
+    assert rows == [["gemm", 2, 6.0, 0.8], ["attn", 1, 1.0, 0.133]]
+    assert kernel_breakdown([("x" * 200, 0, 10)], width=50) == [["x" * 50, 1, 0.0, 1.0]]
+    assert kernel_breakdown([]) == []
+
+
 def test_workload_id_names_the_requests():
     """e2e rows record workload_id beside throughput (benchmarks/compare_e2e.py compares throughput only between equal
     ids). Pinned: the 32 requests of ``e2e_gpu.py --quick`` on the smollm2 vocabulary; a change to the generator makes
