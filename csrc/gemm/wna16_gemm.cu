@@ -40,6 +40,22 @@ __global__ void __launch_bounds__(kWna16Threads) wna16_gemm_kernel(
     const int col_base = nt * 64 + g8 * 8;  // this lane's 8 stored scale columns
     typename D::P prm[8];
     int cur_g = -1;
+    // The scales (+ zero points) of a new group were an __ldg issued only when compute reached the group, after the
+    // weights had landed: one more DRAM round trip a warp waited through with nothing in flight (SASS: the scale
+    // LDG.128 sits in the group-change branch right before the first HMMA). At M <= 16, load_w now prefetches the
+    // lines of the groups of its first and last slab into L1 beside the weight loads (no registers: 4 blocks of the
+    // 4-bit kernel fit an SM at <= 128, and it uses 124-128), so that __ldg hits L1. A batch spans at most 2 groups
+    // unless group_size < 64.
+    // (A batch is kUnroll whole slabs: K % 64 == 0, and ks0 and the split size are multiples of kUnroll.)
+    auto prefetch_groups = [&](int ks) {
+      const int g0 = ks * 16 / group_size, gl = ((ks + kUnroll) * 16 - 1) / group_size;
+      prefetch_l1(S + (size_t)g0 * N + col_base);
+      if (HAS_ZP) prefetch_l1(Z + (size_t)g0 * N + col_base);
+      if (gl != g0) {
+        prefetch_l1(S + (size_t)gl * N + col_base);
+        if (HAS_ZP) prefetch_l1(Z + (size_t)gl * N + col_base);
+      }
+    };
     auto load_w = [&](uint32_t(&w)[kUnroll][4 * V4], int ks) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
@@ -48,6 +64,7 @@ __global__ void __launch_bounds__(kWna16Threads) wna16_gemm_kernel(
           const uint4 r = ld_stream_v4(bp + (size_t)(ks - ks0 + u) * bstride + v);
           w[u][4 * v + 0] = r.x; w[u][4 * v + 1] = r.y; w[u][4 * v + 2] = r.z; w[u][4 * v + 3] = r.w;
         }
+      if constexpr (MT == 1) prefetch_groups(ks);  // (at MT > 1 compute follows load_w at once)
     };
     auto compute = [&](const uint32_t(&w)[kUnroll][4 * V4], int ks) {
 #pragma unroll
