@@ -181,21 +181,52 @@ __device__ __forceinline__ bool splitk_arrive(int* counters) {
   return last;
 }
 
-// The splits' partials of one output element summed in split order (deterministic, as before), eight loads in
-// flight: the last block of a tile sums up to ~32 splits per element at M = 1, and one dependent L2 round trip per
-// split was a serial tail of several microseconds. `p` points at split 0's element; splits are `stride` apart.
+// The splits' partials of one output element summed in split order (deterministic, as before), 16 loads in flight:
+// the last block of a tile sums ~22-32 splits per element at M = 1 (the decode shapes at 4 blocks per SM), and each
+// dependent L2 round trip is a serial step of the call's tail. The remainder past the last whole 16 is one more
+// round of predicated loads (it was up to 7 rounds of one load each at 22 splits); loads past `splits` add nothing,
+// so the sum is the same sequence of adds. `p` points at split 0's element; splits are `stride` apart.
+// Two adjacent elements at once (float2: 8-byte aligned p): half the loads of two splitk_sum calls, and the two
+// elements' rounds overlap instead of following each other. Each component is the same sequence of adds.
+__device__ __forceinline__ float2 splitk_sum2(const float* p, size_t stride, int splits) {
+  constexpr int W = 16;
+  float2 s = make_float2(0.f, 0.f);
+  for (int z = 0; z < splits; z += W) {
+    float2 part[W];
+#pragma unroll
+    for (int u = 0; u < W; ++u)
+      part[u] = z + u < splits ? __ldcg(reinterpret_cast<const float2*>(p + (size_t)(z + u) * stride))
+                               : make_float2(0.f, 0.f);
+#pragma unroll
+    for (int u = 0; u < W; ++u)
+      if (z + u < splits) {
+        s.x += part[u].x;
+        s.y += part[u].y;
+      }
+  }
+  return s;
+}
+
 template <typename A>
 __device__ __forceinline__ A splitk_sum(const A* p, size_t stride, int splits) {
+  constexpr int W = 16;
   A s = A(0);
   int z = 0;
-  for (; z + 8 <= splits; z += 8) {
-    A part[8];
+  for (; z + W <= splits; z += W) {
+    A part[W];
 #pragma unroll
-    for (int u = 0; u < 8; ++u) part[u] = __ldcg(p + (size_t)(z + u) * stride);
+    for (int u = 0; u < W; ++u) part[u] = __ldcg(p + (size_t)(z + u) * stride);
 #pragma unroll
-    for (int u = 0; u < 8; ++u) s += part[u];
+    for (int u = 0; u < W; ++u) s += part[u];
   }
-  for (; z < splits; ++z) s += __ldcg(p + (size_t)z * stride);
+  if (z < splits) {
+    A part[W];
+#pragma unroll
+    for (int u = 0; u < W; ++u) part[u] = z + u < splits ? __ldcg(p + (size_t)(z + u) * stride) : A(0);
+#pragma unroll
+    for (int u = 0; u < W; ++u)
+      if (z + u < splits) s += part[u];
+  }
   return s;
 }
 

@@ -159,12 +159,17 @@ __global__ void __launch_bounds__(kWna16Threads) wna16_gemm_kernel(
   }
   if (!splitk_arrive(counters)) return;
   const int n0 = blockIdx.x * kWna16BlockN;
-  const int rows = min(MT * 16, M - m0), cols = min(kWna16BlockN, N - n0);
-  for (int e = threadIdx.x; e < rows * cols; e += blockDim.x) {
-    const int row = m0 + e / cols, col = n0 + e % cols;
-    float s = splitk_sum<float>(ws + (size_t)row * N + col, (size_t)M * N, (int)gridDim.z);
-    if (bias) s += to_f(bias[col]);
-    C[(size_t)row * N + col] = from_f<T>(s);
+  // Column pairs (N % 64 == 0: a tile's columns pair up, 8-byte aligned in ws and 4-byte in C): at M = 1 the 256
+  // columns are one pair per thread, so the tile's sum is one element's rounds, not two elements' one after another.
+  const int rows = min(MT * 16, M - m0), pairs = min(kWna16BlockN, N - n0) / 2;
+  for (int e = threadIdx.x; e < rows * pairs; e += blockDim.x) {
+    const int row = m0 + e / pairs, col = n0 + 2 * (e % pairs);
+    float2 s = splitk_sum2(ws + (size_t)row * N + col, (size_t)M * N, (int)gridDim.z);
+    if (bias) {
+      s.x += to_f(bias[col]);
+      s.y += to_f(bias[col + 1]);
+    }
+    *reinterpret_cast<uint32_t*>(C + (size_t)row * N + col) = pack_f2(T(), s.x, s.y);
   }
 }
 
