@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(kWna16Threads) wna16_gemm_kernel(
     // weights had landed: one more DRAM round trip a warp waited through with nothing in flight (SASS: the scale
     // LDG.128 sits in the group-change branch right before the first HMMA). At M <= 16, load_w now prefetches the
     // lines of the groups of its first and last slab into L1 beside the weight loads (no registers: 4 blocks of the
-    // 4-bit kernel fit an SM at <= 128, and it uses 124-128), so that __ldg hits L1. A batch spans at most 2 groups
+    // 4-bit kernel fit an SM at <= 128, and it uses 128), so that __ldg hits L1. A batch spans at most 2 groups
     // unless group_size < 64.
     // (A batch is kUnroll whole slabs: K % 64 == 0, and ks0 and the split size are multiples of kUnroll.)
     auto prefetch_groups = [&](int ks) {
@@ -57,6 +57,9 @@ __global__ void __launch_bounds__(kWna16Threads) wna16_gemm_kernel(
       }
     };
     auto load_w = [&](uint32_t(&w)[kUnroll][4 * V4], int ks) {
+      // (first: placed after the weight loads, it let ptxas wait on batch 0 before issuing batch 1 in the first
+      // iteration; here every M <= 16 instantiation has both batches in flight before its first wait)
+      if constexpr (MT == 1) prefetch_groups(ks);  // (at MT > 1 compute follows load_w at once)
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
@@ -64,7 +67,6 @@ __global__ void __launch_bounds__(kWna16Threads) wna16_gemm_kernel(
           const uint4 r = ld_stream_v4(bp + (size_t)(ks - ks0 + u) * bstride + v);
           w[u][4 * v + 0] = r.x; w[u][4 * v + 1] = r.y; w[u][4 * v + 2] = r.z; w[u][4 * v + 3] = r.w;
         }
-      if constexpr (MT == 1) prefetch_groups(ks);  // (at MT > 1 compute follows load_w at once)
     };
     auto compute = [&](const uint32_t(&w)[kUnroll][4 * V4], int ks) {
 #pragma unroll
