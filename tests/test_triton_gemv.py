@@ -29,6 +29,11 @@ SCRIPT = """
         G.check_gemv(16, 40, 160, C(32, 32, True, split_k=1), kind, static=True, dt=bf16)
         # split_k resolved from the (CPU stand-in) SM count
         G.check_gemv(2, 72, 256, C(16, 32, False, split_k=0), kind, dt=f16)
+    # int8 at M = 1 runs dp4a on int32 words (K % 4 == 0; the two M = 1 int8 cases above took it, one with a ragged
+    # last K block); K % 4 != 0 or dp4a=False take the fp32-FMA path; K_STAGES = 1 (no K pipeline)
+    G.check_gemv(1, 40, 198, C(16, 32, False, split_k=2), "int8", dt=f16)
+    G.check_gemv(1, 72, 200, C(16, 32, False, split_k=3, dp4a=False), "int8", dt=bf16)
+    G.check_gemv(1, 72, 200, C(16, 32, False, split_k=3, num_stages=1), "int8", sym=False, dt=f16)
     # asymmetric int8 (zero point x colsum in the epilogue), per token and static
     G.check_gemv(5, 72, 200, C(32, 64, True, split_k=3), "int8", sym=False, dt=f16)
     G.check_gemv(2, 40, 96, C(16, 32, False, split_k=2), "int8", sym=False, static=True, dt=f16)
@@ -61,7 +66,7 @@ def test_config_table_and_split_k_are_host_functions():
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="ahead-of-time compilation needs triton's real JIT")
-@pytest.mark.parametrize("variant", ["i8-fma-m1", "i8-fma-m4-azp", "i8-dot", "fp8-fma-m1", "fp8-dot"])
+@pytest.mark.parametrize("variant", ["i8-fma-m1", "i8-fma-m4-azp", "i8-dot", "fp8-fma-m1", "fp8-dot", "i8-dp4a-m1"])
 def test_gemv_compiles_for_hopper_with_vector_loads(variant):
     """Compile to sm_90 PTX without a GPU (Triton ships ptxas), with the 16-byte alignment the JIT infers for
     torch's allocations: the weight stream must use 16-byte vector loads, the dot variant tensor-core mma, and
@@ -78,7 +83,8 @@ def test_gemv_compiles_for_hopper_with_vector_loads(variant):
     fp8 = dt == "fp8"
     consts = dict(HAS_AZP="azp" in rest, HAS_BIAS=True, IS_FP8=fp8, BLOCK_M=16 if path == "dot" else
                   (4 if "m4" in rest else 1), BLOCK_N=64 if path == "dot" else 32,
-                  BLOCK_K=256, SPLIT_K=4, USE_DOT=path == "dot", EVEN_K=True)
+                  BLOCK_K=256, SPLIT_K=4, USE_DOT=path == "dot", EVEN_K=True, DP4A=path == "dp4a", DP4A_ASM=True,
+                  K_STAGES=3)
     fn = tg._gemv_kernel
     elem = "fp8e4nv" if fp8 else "i8"
     types = {"x_ptr": f"*{elem}", "w_ptr": f"*{elem}", "out_ptr": "*bf16", "a_scale_ptr": "*fp32",
@@ -90,11 +96,16 @@ def test_gemv_compiles_for_hopper_with_vector_loads(variant):
     k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": 4, "num_stages": 3})
     ptx = k.asm["ptx"]
-    assert re.search(r"(ld\.global(\.\w+)*\.v4|cp\.async\.cg\.shared\.global(\.\w+)* \[[^]]+\], \[[^]]+\], 16)", ptx), \
+    vector = r"(ld\.global(\.\w+)*\.v4|cp\.async\.cg\.shared\.global(\.\w+)* \[[^]]+\], \[[^]]+\], (16|0x10))"
+    assert re.search(vector, ptx), \
         "the weight stream should be 16-byte vector loads"
     assert ".local" not in ptx, "register spills to local memory"
     if path == "dot":
         assert "mma.sync" in ptx
+    if path == "dp4a":  # four int8 products per instruction, the K loop pipelined through cp.async
+        assert "dp4a.s32.s32" in ptx and "cp.async" in ptx
+        sass_ops = k.asm.get("sass") or ""
+        assert not sass_ops or "IDP.4A" in sass_ops
     assert "ld.global.b8" not in ptx and "ld.global.u8" not in ptx, "byte loads on the weight stream"
     # the CUDA-core path reduces each token's [BLOCK_N, BLOCK_K] tile in the weight's own layout: a 3-d
     # [BLOCK_M, BLOCK_N, BLOCK_K] broadcast-reduce compiled to 648 shuffles at BLOCK_M = 4 (0.24x bf16 on the H200)

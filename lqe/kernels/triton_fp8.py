@@ -168,7 +168,7 @@ if triton is not None:
                 for s in tl.static_range(SPLIT_K):  # unrolled: every split's load in flight, summed in order
                     total += tl.load(ws_ptr + (s * m_pad + rm)[:, None] * N + rn[None, :], mask=mask, other=0.0,
                                      cache_modifier=".cg")
-                tl.atomic_xchg(cnt_ptr + tile, 0)
+                tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")  # (stream order publishes it to the next launch)
                 _fp8_epilogue(total, rm, rn, M, N, out_ptr, stride_om, a_scale_ptr, a_scale_stride, w_scale_ptr,
                               bias_ptr, HAS_BIAS, BLOCK_SCALE)
 

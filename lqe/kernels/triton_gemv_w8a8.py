@@ -11,7 +11,9 @@ weight bytes at copy bandwidth (half of bf16's). The kernel is laid out for that
 * each program loads ``[BLOCK_N, BLOCK_K]`` weight tiles along contiguous K (16-byte vector loads per thread) and
   the ``[BLOCK_M, BLOCK_K]`` activations beside them (tiny, L2/L1 resident; the registers hold them for the tile);
 * ``USE_DOT=False`` (M <= 4 class): a CUDA-core multiply-reduce along K in fp32 FMAs (for int8 each BLOCK_K <= 1024
-  block sum is exact in fp32 and is added to an int32 accumulator; fp8 accumulates in fp32); ``USE_DOT=True`` (M up to 16): ``tl.dot`` with the tokens padded to 16 rows (int8 / fp8 tensor
+  block sum is exact in fp32 and is added to an int32 accumulator; fp8 accumulates in fp32); int8 at M = 1 instead
+  runs ``dp4a`` on int32 words of w and x (``DP4A``: four products per instruction, exact in int32, the K loop
+  pipelined); ``USE_DOT=True`` (M up to 16): ``tl.dot`` with the tokens padded to 16 rows (int8 / fp8 tensor
   cores, mma.sync), the weight the K-major B operand;
 * split-K partials go to a workspace ``[SPLIT_K, BLOCK_M, N]`` (int32, fp32 stored bit-cast) and the last program
   of an N tile (an arrival counter) sums them **in split order** and applies the epilogue: one launch, no
@@ -24,6 +26,7 @@ print the tables they imply, paste-able. The tables below are guesses until meas
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -58,10 +61,12 @@ class GemvConfig:
     split_k: int = 0  # 0 = from the SM count (auto_split_k)
     num_warps: int = 4
     num_stages: int = 3
+    dp4a: bool = True  # int8 at M = 1 on the CUDA cores: dp4a on int32 words (where K and the strides allow)
 
     def __str__(self) -> str:
         sk = "auto" if self.split_k == 0 else self.split_k
-        return f"{'dot' if self.use_dot else 'fma'}-n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}sk{sk}"
+        path = "dot" if self.use_dot else "fma" if not self.dp4a else "fma-dp4a"
+        return f"{path}-n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}sk{sk}"
 
 
 # (max_m, config): first row covering M wins. Measured on the H200 at 0ebe3f7 (graph-timed, Llama-3-8B shapes,
@@ -69,7 +74,11 @@ class GemvConfig:
 # 1.46x; M=4 ran a CUDA-core config then (a [4, 32, 256] broadcast-reduce: 648 warp shuffles per K block, 0.24x,
 # 47 us on 4096x4096 against 10 us at M=1 and M=16), so M = 2..16 share the tensor-core config (its cost does not
 # depend on M; M = 2..8 not measured yet). The CUDA-core path now reduces one token at a time for BLOCK_M > 1.
-# `python benchmarks/kernels.py --w8a8-sweep --m 1 2 4 8 16` sweeps the alternatives.
+# Re-measured at 257cdec: M=1 1.49x, M=4 1.16x, M=16 1.30x (4096x6144, 4096^2). A SASS review then found the int8
+# M=1 path issue-bound (~700 instructions per warp per 16 KB K block, its compute adding to its loads', no K
+# pipeline): int8 at M=1 now runs dp4a on int32 words with a pipelined K loop (GemvConfig.dp4a, num_stages), ~60
+# instructions per block; not measured yet.
+# `python benchmarks/kernels.py --w8a8-sweep --m 1 2 4 8 16` sweeps the alternatives (dp4a on / off / unpipelined).
 CONFIGS: list[tuple[int, GemvConfig]] = [
     (1, GemvConfig(32, 512, use_dot=False, num_warps=4)),
     (16, GemvConfig(64, 256, use_dot=True, num_warps=4)),
@@ -98,6 +107,9 @@ def sweep_configs(m: int) -> list[GemvConfig]:
                     continue
                 for nw in (4, 8):  # split_k from the SM count (1 where N alone fills the GPU)
                     out.append(GemvConfig(bn, bk, use_dot, 0, nw, 3))
+                    if not use_dot and m == 1:  # the dp4a path without its K pipeline, and the fp32-FMA path
+                        out.append(GemvConfig(bn, bk, use_dot, 0, nw, 1))
+                        out.append(GemvConfig(bn, bk, use_dot, 0, nw, 3, dp4a=False))
     return out
 
 
@@ -123,7 +135,7 @@ def resolve(cfg: GemvConfig, m: int, n: int, k: int, device: torch.device | None
     if cfg.split_k != 0:
         return cfg
     sk = auto_split_k(m, n, k, cfg, sm_count(device, cpu_default=8))
-    return GemvConfig(cfg.block_n, cfg.block_k, cfg.use_dot, sk, cfg.num_warps, cfg.num_stages)
+    return GemvConfig(cfg.block_n, cfg.block_k, cfg.use_dot, sk, cfg.num_warps, cfg.num_stages, cfg.dp4a)
 
 
 # ------------------------------------------------------------------------------------------------ workspace
@@ -140,11 +152,24 @@ def reserve_workspace(device: torch.device | str, n: int) -> None:
 if triton is not None:
 
     @triton.jit
+    def _dp4a(a, b, c, ASM: tl.constexpr):
+        """``c + sum_i a.byte_i * b.byte_i`` (signed bytes of int32 words): the ``dp4a`` instruction, or under the
+        interpreter (which runs no PTX) the same sum from shifted bytes."""
+        if ASM:
+            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+        else:
+            s = c
+            for i in tl.static_range(4):
+                s += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)
+            return s
+
+    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, azp_ptr, colsum_ptr, bias_ptr, ws_ptr,
                      cnt_ptr, M, N, K, stride_xm, stride_wn, stride_om, a_scale_stride, azp_stride,
                      HAS_AZP: tl.constexpr, HAS_BIAS: tl.constexpr, IS_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
-                     EVEN_K: tl.constexpr):
+                     EVEN_K: tl.constexpr, DP4A: tl.constexpr, DP4A_ASM: tl.constexpr, K_STAGES: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -159,54 +184,79 @@ if triton is not None:
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
         x_ptrs = x_ptr + rxm[:, None] * stride_xm + (kb0 * BLOCK_K + rk)[None, :]
-        for kb in range(kb0, kb1):
-            kmask = (kb * BLOCK_K + rk) < K
-            if EVEN_K:
-                x = tl.load(x_ptrs)
-            else:
-                x = tl.load(x_ptrs, mask=kmask[None, :], other=0.0)
-            if USE_DOT:  # weight tile as the K-major B operand [BLOCK_K, BLOCK_N]
-                w_ptrs = w_ptr + rwn[None, :] * stride_wn + (kb * BLOCK_K + rk)[:, None]
+        if DP4A:
+            # int8 at M = 1 (BLOCK_M == 1) on the CUDA cores, on int32 words of w and x (K, the row strides and
+            # both bases multiples of 4: gemv_w8a8 checks): one dp4a per 4 products into [BLOCK_N, BLOCK_K / 4]
+            # int32 accumulators (exact: |sum| <= K * 2^14), reduced once after the K loop. The fp32-FMA path below
+            # spent ~700 SASS instructions per warp per 16 KB K block (byte permutes, float adds, shuffles, a
+            # shared-memory exchange of x): issue-bound at about the copy bandwidth, its compute adding to the
+            # loads'; this one ~60 (sm_90, Triton 3.6). tl.range pipelines the K loop (K_STAGES cp.async stages).
+            KW: tl.constexpr = BLOCK_K // 4
+            rkw = tl.arange(0, KW)
+            x32 = x_ptr.to(tl.pointer_type(tl.int32))
+            w32 = w_ptr.to(tl.pointer_type(tl.int32))
+            sw = stride_wn // 4
+            accw = tl.zeros((BLOCK_N, KW), dtype=tl.int32)
+            for kb in tl.range(kb0, kb1, num_stages=K_STAGES):
+                kw = kb * KW + rkw
                 if EVEN_K:
-                    w = tl.load(w_ptrs)
+                    xv = tl.load(x32 + kw)
+                    wv = tl.load(w32 + rwn[:, None] * sw + kw[None, :])
                 else:
-                    w = tl.load(w_ptrs, mask=kmask[:, None], other=0.0)
-                if IS_FP8:
-                    acc = tl.dot(x, w, acc, out_dtype=tl.float32)
-                else:
-                    acc = tl.dot(x, w, acc, out_dtype=tl.int32)
-            else:  # [BLOCK_N, BLOCK_K] along contiguous K, multiply-reduce on the CUDA cores
-                w_ptrs = w_ptr + rwn[:, None] * stride_wn + (kb * BLOCK_K + rk)[None, :]
+                    kmw = kw < K // 4
+                    xv = tl.load(x32 + kw, mask=kmw, other=0)
+                    wv = tl.load(w32 + rwn[:, None] * sw + kw[None, :], mask=kmw[None, :], other=0)
+                accw = _dp4a(wv, tl.broadcast_to(xv[None, :], (BLOCK_N, KW)), accw, DP4A_ASM)
+            acc += tl.sum(accw, axis=1)[None, :]
+        else:
+            for kb in range(kb0, kb1):
+                kmask = (kb * BLOCK_K + rk) < K
                 if EVEN_K:
-                    w = tl.load(w_ptrs)
+                    x = tl.load(x_ptrs)
                 else:
-                    w = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
-                # fp32 FMAs (twice the int32 rate): int8 products are integers <= 2^14 and a BLOCK_K <= 1024 sum
-                # stays <= 2^24, so the block sum is exact in fp32 whatever the order; int32 across blocks
-                if IS_FP8:
-                    wf = w.to(tl.float32)
-                else:
-                    # int8 -> fp32 without the conversion unit (cvt.rn.f32.s16: 16 results per clock per SM on
-                    # Hopper, the GEMV's bottleneck at M = 1): 0x4B400000 + q is the float 12582912 + q exactly
-                    # for |q| <= 2^22, so one integer add and one exact float subtract give float(q)
-                    wf = (w.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
-                if BLOCK_M == 1:
-                    blk = tl.sum(wf * x.to(tl.float32), axis=1)[None, :]
-                    if IS_FP8:
-                        acc += blk
+                    x = tl.load(x_ptrs, mask=kmask[None, :], other=0.0)
+                if USE_DOT:  # weight tile as the K-major B operand [BLOCK_K, BLOCK_N]
+                    w_ptrs = w_ptr + rwn[None, :] * stride_wn + (kb * BLOCK_K + rk)[:, None]
+                    if EVEN_K:
+                        w = tl.load(w_ptrs)
                     else:
-                        acc += blk.to(tl.int32)
-                else:
-                    # one 2-d [BLOCK_N, BLOCK_K] multiply-reduce per token, in the weight tile's own layout
-                    for mi in tl.static_range(BLOCK_M):
-                        xr = tl.load(x_ptr + tl.minimum(mi, M - 1) * stride_xm + kb * BLOCK_K + rk, mask=kmask,
-                                     other=0.0)
-                        row = tl.sum(wf * xr.to(tl.float32)[None, :], axis=1)
+                        w = tl.load(w_ptrs, mask=kmask[:, None], other=0.0)
+                    if IS_FP8:
+                        acc = tl.dot(x, w, acc, out_dtype=tl.float32)
+                    else:
+                        acc = tl.dot(x, w, acc, out_dtype=tl.int32)
+                else:  # [BLOCK_N, BLOCK_K] along contiguous K, multiply-reduce on the CUDA cores
+                    w_ptrs = w_ptr + rwn[:, None] * stride_wn + (kb * BLOCK_K + rk)[None, :]
+                    if EVEN_K:
+                        w = tl.load(w_ptrs)
+                    else:
+                        w = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
+                    # fp32 FMAs (twice the int32 rate): int8 products are integers <= 2^14 and a BLOCK_K <= 1024 sum
+                    # stays <= 2^24, so the block sum is exact in fp32 whatever the order; int32 across blocks
+                    if IS_FP8:
+                        wf = w.to(tl.float32)
+                    else:
+                        # int8 -> fp32 without the conversion unit (cvt.rn.f32.s16: 16 results per clock per SM on
+                        # Hopper, the GEMV's bottleneck at M = 1): 0x4B400000 + q is the float 12582912 + q exactly
+                        # for |q| <= 2^22, so one integer add and one exact float subtract give float(q)
+                        wf = (w.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+                    if BLOCK_M == 1:
+                        blk = tl.sum(wf * x.to(tl.float32), axis=1)[None, :]
                         if IS_FP8:
-                            acc += tl.where(rm[:, None] == mi, row[None, :], 0.0)
+                            acc += blk
                         else:
-                            acc += tl.where(rm[:, None] == mi, row.to(tl.int32)[None, :], 0)
-            x_ptrs += BLOCK_K
+                            acc += blk.to(tl.int32)
+                    else:
+                        # one 2-d [BLOCK_N, BLOCK_K] multiply-reduce per token, in the weight tile's own layout
+                        for mi in tl.static_range(BLOCK_M):
+                            xr = tl.load(x_ptr + tl.minimum(mi, M - 1) * stride_xm + kb * BLOCK_K + rk, mask=kmask,
+                                         other=0.0)
+                            row = tl.sum(wf * xr.to(tl.float32)[None, :], axis=1)
+                            if IS_FP8:
+                                acc += tl.where(rm[:, None] == mi, row[None, :], 0.0)
+                            else:
+                                acc += tl.where(rm[:, None] == mi, row.to(tl.int32)[None, :], 0)
+                x_ptrs += BLOCK_K
 
         if SPLIT_K == 1:
             _epilogue(acc, rm, rn, M, N, out_ptr, stride_om, a_scale_ptr, a_scale_stride, w_scale_ptr,
@@ -232,12 +282,17 @@ if triton is not None:
                         total += p.to(tl.float32, bitcast=True)
                     else:
                         total += p
-                tl.atomic_xchg(cnt_ptr + pid_n, 0)
+                tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed")  # (stream order publishes it to the next launch)
                 _epilogue(total, rm, rn, M, N, out_ptr, stride_om, a_scale_ptr, a_scale_stride, w_scale_ptr,
                           azp_ptr, azp_stride, colsum_ptr, bias_ptr, HAS_AZP, HAS_BIAS)
 
 
 # ------------------------------------------------------------------------------------------------ host side
+def _interpreted() -> bool:
+    """Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) runs no inline PTX: dp4a is emulated there."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def gemv_w8a8(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
               azp: torch.Tensor | None = None, colsum: torch.Tensor | None = None, bias: torch.Tensor | None = None,
               out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None,
@@ -264,6 +319,9 @@ def gemv_w8a8(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale:
         raise ValueError(f"triton-gemv: M={m} exceeds {MAX_M}")
     if not cfg.use_dot and cfg.block_k > 1024:
         raise ValueError(f"triton-gemv: BLOCK_K={cfg.block_k} > 1024 breaks the exact fp32 block sums of int8")
+    # dp4a reads w and x as int32 words: K, both row strides and both bases must be multiples of 4 bytes
+    dp4a = (cfg.dp4a and not fp8 and not cfg.use_dot and bm == 1 and k % 4 == 0 and xq.stride(0) % 4 == 0
+            and w.stride(0) % 4 == 0 and xq.data_ptr() % 4 == 0 and w.data_ptr() % 4 == 0)
     split_k = nonempty_splits(min(cfg.split_k, WS_ROWS // bm), k, cfg.block_k)
     tiles = math.ceil(n / cfg.block_n)
     split_k, ws, cnt = _WS.for_launch(xq.device, split_k, WS_ROWS * n, f"N={n}", tiles, w_scale)
@@ -272,7 +330,8 @@ def gemv_w8a8(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale:
         bias if bias is not None else w_scale, ws, cnt, m, n, k, xq.stride(0), w.stride(0), out.stride(0),
         sa_stride, zp_stride, HAS_AZP=zp is not None, HAS_BIAS=bias is not None, IS_FP8=fp8, BLOCK_M=bm,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, USE_DOT=cfg.use_dot,
-        EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        EVEN_K=k % cfg.block_k == 0, DP4A=dp4a, DP4A_ASM=not _interpreted(), K_STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

@@ -198,7 +198,7 @@ if triton is not None:
             arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
             if arrived == SPLIT_K - 1:  # last program of this tile: read the total, leave zeros behind
                 total = tl.atomic_xchg(ws_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32), mask=mask)
-                tl.atomic_xchg(cnt_ptr + tile, 0)
+                tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")  # (stream order publishes it to the next launch)
                 _epilogue(total, rm, rn, M, N, out_ptr, stride_om, a_scale_ptr, a_scale_stride, w_scale_ptr,
                           azp_ptr, azp_stride, colsum_ptr, bias_ptr, HAS_AZP, HAS_BIAS)
 

@@ -109,6 +109,26 @@ def test_gemv_int8_table_configs(m, shape):
 
 @pytest.mark.gpu
 @requires_cuda
+@pytest.mark.parametrize("shape", [(4096, 4096), (14336, 4096), (200, 72), (198, 40)])
+def test_gemv_int8_dp4a_equals_the_fma_path(shape):
+    """int8 at M = 1: the dp4a path (int32 words, the PTX instruction) and the fp32-FMA path both sum exactly in
+    integers, so their outputs are equal bit for bit (K = 198: not a multiple of 4, both take the FMA path)."""
+    import dataclasses
+
+    from lqe.kernels import triton_gemv_w8a8 as tg
+
+    k, n = shape
+    cfg = tg.pick_config(1, n, k, torch.device("cuda"))
+    assert not cfg.use_dot and cfg.dp4a
+    for sym in (True, False):
+        a = check_gemv(1, n, k, cfg, "int8", sym=sym, dt=torch.bfloat16)
+        b = check_gemv(1, n, k, dataclasses.replace(cfg, dp4a=False), "int8", sym=sym, dt=torch.bfloat16)
+        c = check_gemv(1, n, k, dataclasses.replace(cfg, num_stages=1), "int8", sym=sym, dt=torch.bfloat16)
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.gpu
+@requires_cuda
 @pytest.mark.parametrize("m", [1, 4, 16])
 def test_gemv_every_sweep_config_compiles_and_is_right(m):
     from lqe.kernels import triton_gemv_w8a8 as tg
