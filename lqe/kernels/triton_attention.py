@@ -158,8 +158,17 @@ def _decode_kernel(Q, KV, Out, PartOut, PartLse, BlockTables, QueryStart, SeqLen
     if DOT_F32:
         q = q.to(tl.float32)
     qk_scale = scale_log2
-    if QUANT:  # dequantization folded into the scores (k_scale) and the output (v_scale), in fp32
-        qk_scale = scale_log2 * tl.load(KScale)
+    if QUANT:  # dequantization folded into the scores (k_scale) and the output (v_scale)
+        if DOT_F32 or q.dtype == tl.float32:  # (a float32 model keeps exact fp32 dots)
+            qk_scale = scale_log2 * tl.load(KScale)
+        else:
+            # fp16 dots on an fp8 cache: K / V widen to fp16 exactly with one conversion per pair (e4m3 and e5m2
+            # fit fp16), where widening to bf16 went through fp16 one element at a time (SASS on sm_90: 2
+            # conversions and a byte permute per element, the kernel issue-bound at 891 instructions per 64-key
+            # tile, 706 this way); q takes both scales in fp32 and is rounded once to fp16 (3 more mantissa bits than
+            # bf16; clamped so an outlier cannot become inf), p is rounded to fp16 for the PV dot
+            q = tl.clamp(q.to(tl.float32) * (scale_log2 * tl.load(KScale)), -65504.0, 65504.0).to(tl.float16)
+            qk_scale = 1.0
 
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -208,6 +217,13 @@ def _decode_reduce_kernel(Out, PartOut, PartLse, QueryStart, stride_ot, stride_o
 
 
 # --------------------------------------------------------------------------------------------- host side
+def _decode_launch_opts(quant: bool) -> dict:
+    """The fp8-cache decode kernel compiled to <= 128 registers: at 140-147 only 3 programs of 4 warps fit an SM, and
+    a 64-sequence x 8-KV-head step (512 programs) ran 1.29 waves on 132 SMs; at 128 (no spills, sm_90, Triton 3.6)
+    4 fit, one wave. (The interpreter takes no register limit.)"""
+    return {"maxnreg": 128} if quant and not _INTERPRET else {}
+
+
 def _blocks(head_dim: int, fp32: bool = False) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for prefill: no register spills on sm_90 (ptxas -v, every PACK, 16-bit and
     fp8 KV; tests/test_prefill_tiles.py). At head dim 128 four warps spill (~500 bytes), eight fit in ~190
@@ -305,7 +321,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         scale_log2, query.stride(0), query.stride(1), out.stride(0), out.stride(1), *kv_strides,
         meta.block_tables.stride(0), *p_strides, GROUP=group, HEAD_DIM=head_dim, PAGE=page,
         NUM_SPLITS=splits, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, DOT_F32=dot_f32, PRECISION=precision,
-        QUANT=quant, num_warps=4, num_stages=2,
+        QUANT=quant, num_warps=4, num_stages=2, **_decode_launch_opts(quant),
     )
     if splits > 1:
         _decode_reduce_kernel[(b, num_heads)](
