@@ -56,6 +56,8 @@ SCRIPT = textwrap.dedent("""
         # swapped operands (out^T = W^T x^T): factored and dequant forms, split-K, ragged M / N / K, both dtypes
         (7, 320, 192, 4, 64, True, True, torch.bfloat16, C(16, 128, 64, 4, 2, swap_ab=True), True),
         (1, 576, 64, 4, 128, False, False, torch.float16, C(16, 64, 128, 4, 2, split_k=2, swap_ab=True), True),
+        # symmetric 4-bit swapped: the magic-number dequantization (its interpreter form), bf16
+        (5, 256, 128, 4, 64, False, False, torch.bfloat16, C(16, 128, 64, 4, 2, swap_ab=True), True),
         (33, 192, 128, 8, 64, False, True, torch.float16, C(64, 64, 64, 4, 2, factored=False, swap_ab=True), False),
         (40, 256, 128, 8, -1, True, False, torch.bfloat16, C(32, 64, 64, 4, 2, split_k=4, swap_ab=True), True),
     ]
@@ -202,10 +204,14 @@ def test_wna16_kernels_compile_for_hopper_without_a_gpu():
         return triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps, "num_stages": stages})
 
-    for _, cfg in tw.CONFIG_TABLE[:1] + tw.CONFIG_TABLE[-1:] + tw.SWAP_CONFIG_TABLE:
-        consts = dict(BITS=4, HAS_ZP=True, HAS_BIAS=True, MAGIC=0x4300, MAGIC_C=128.0, FACTORED=cfg.factored,
+    # (zero points: the generic dequantization; symmetric swap configs: the inline-PTX magic-number one, ASM_DQ=1)
+    cases = [(cfg, True) for _, cfg in tw.CONFIG_TABLE[:1] + tw.CONFIG_TABLE[-1:] + tw.SWAP_CONFIG_TABLE]
+    cases += [(cfg, False) for _, cfg in tw.SWAP_CONFIG_TABLE if cfg.factored]
+    for cfg, zp in cases:
+        asm_dq = 0 if zp or not cfg.swap_ab else 1
+        consts = dict(BITS=4, HAS_ZP=zp, HAS_BIAS=True, MAGIC=0x4300, MAGIC_C=128.0, FACTORED=cfg.factored,
                       EVEN_K=True, EVEN_N=True, SPLIT=False, DOT_F32=False, SWAP_AB=cfg.swap_ab, BM=cfg.block_m,
-                      BN=cfg.block_n, BK=cfg.block_k, GROUP_M=8)
+                      BN=cfg.block_n, BK=cfg.block_k, GROUP_M=8, ASM_DQ=asm_dq)
         k = compile_kernel(tw._wna16_gemm_kernel, consts, cfg.num_warps, cfg.num_stages)
         ptx = k.asm["ptx"]
         assert "mma" in ptx, f"{cfg.label()}: no tensor-core instruction"
@@ -216,6 +222,8 @@ def test_wna16_kernels_compile_for_hopper_without_a_gpu():
             wgmma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
             assert wgmma and all(re.search(r"\}, \{%r", line) for line in wgmma), f"{cfg.label()}: A not in registers"
             assert f"m64n{cfg.block_m}k16" in wgmma[0], (cfg.label(), wgmma[0][:80])
+        if asm_dq:  # one lop3 per packed pair and one packed bf16 fma
+            assert "lop3.b32" in ptx and "fma.rn.bf16x2" in ptx, cfg.label()
     k = compile_kernel(tw._wna16_dequant_kernel, dict(BITS=8, HAS_ZP=False, BK=64, BN=256), 8, 1)
     assert "st.global" in k.asm["ptx"]
 
