@@ -303,12 +303,34 @@ if triton is not None:
         return (cols // 64) * 64 + (cols % 8) * 8 + (cols % 64) // 8
 
     @triton.jit
+    def _group_sz(s_ptrs, z_ptrs, k, group_size, N, n_mask, HAS_ZP: tl.constexpr, EVEN_N: tl.constexpr,
+                  BITS: tl.constexpr, BN: tl.constexpr, GS_SHIFT: tl.constexpr):
+        """Scales and zero points (fp32, ``[BN]``) of the group holding K row ``k``; ``GS_SHIFT`` >= 0: the group
+        size is ``1 << GS_SHIFT`` (a shift, where a runtime division cost ~25 instructions per K block)."""
+        if GS_SHIFT >= 0:
+            g_off = (k >> GS_SHIFT) * N
+        else:
+            g_off = (k // group_size) * N
+        if EVEN_N:
+            s = tl.load(s_ptrs + g_off).to(tl.float32)
+        else:
+            s = tl.load(s_ptrs + g_off, mask=n_mask, other=0.0).to(tl.float32)
+        if HAS_ZP:
+            if EVEN_N:
+                z = tl.load(z_ptrs + g_off).to(tl.float32)
+            else:
+                z = tl.load(z_ptrs + g_off, mask=n_mask, other=0.0).to(tl.float32)
+        else:
+            z = tl.full((BN,), 1 << (BITS - 1), tl.float32)
+        return s, z
+
+    @triton.jit
     def _wna16_gemm_kernel(X, QW, S, Z, Bias, Out, Part, M, N, K, group_size, k_iters, stride_xm, stride_om,
                            BITS: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
                            MAGIC: tl.constexpr, MAGIC_C: tl.constexpr, FACTORED: tl.constexpr,
                            EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
                            SWAP_AB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                           BK: tl.constexpr, GROUP_M: tl.constexpr, ASM_DQ: tl.constexpr):
+                           BK: tl.constexpr, GROUP_M: tl.constexpr, ASM_DQ: tl.constexpr, GS_SHIFT: tl.constexpr):
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         grid_m = tl.cdiv(M, BM)
@@ -355,18 +377,7 @@ if triton is not None:
                 words = tl.load(w_ptrs, mask=(kt[:, None] < K // 16 - it * KT) & (wc[None, :] < row_words), other=0)
             if ASM_DQ == 0:
                 q = _unpack_codes(words, KT, BN // 64, BITS)
-            g_off = (k0 // group_size) * N
-            if EVEN_N:
-                s = tl.load(s_ptrs + g_off).to(tl.float32)
-            else:
-                s = tl.load(s_ptrs + g_off, mask=n_mask, other=0.0).to(tl.float32)
-            if HAS_ZP:
-                if EVEN_N:
-                    z = tl.load(z_ptrs + g_off).to(tl.float32)
-                else:
-                    z = tl.load(z_ptrs + g_off, mask=n_mask, other=0.0).to(tl.float32)
-            else:
-                z = tl.full((BN,), 1 << (BITS - 1), tl.float32)
+            s, z = _group_sz(s_ptrs, z_ptrs, k0, group_size, N, n_mask, HAS_ZP, EVEN_N, BITS, BN, GS_SHIFT)
             if DOT_F32:  # interpreter: its bf16 arithmetic and dot are wrong, stay in fp32
                 x = x.to(tl.float32)
             if FACTORED and ASM_DQ != 0:  # symmetric 4-bit, magic-number dequantization (ASM_DQ=2: interpreter form)
@@ -459,6 +470,11 @@ def _magic(dtype: torch.dtype, bits: int) -> tuple[int, float]:
     return 0, 0.0  # bf16 8-bit: 128 + 255 is not representable
 
 
+def _gs_shift(group_size: int) -> int:
+    """log2 of a power-of-two group size (the kernel shifts), else -1 (it divides)."""
+    return group_size.bit_length() - 1 if group_size > 0 and group_size & (group_size - 1) == 0 else -1
+
+
 def _asm_dq(cfg: WNA16Config, p, magic: int) -> int:
     """How the swap-AB kernel dequantizes symmetric 4-bit codes: 1 = one ``lop3`` per packed pair into a magic-number
     fp16 / bf16 pair and one packed ``fma`` (inline PTX, as the CUDA kernels' ``Dq<T, 4>``), 2 = the same values and
@@ -492,7 +508,7 @@ def gemm(x: torch.Tensor, p: PackedWNA16, bias: torch.Tensor | None = None, out:
         FACTORED=cfg.factored, EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, SPLIT=split > 1,
         DOT_F32=_INTERPRET and x.dtype == torch.bfloat16, SWAP_AB=cfg.swap_ab,
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=8,
-        ASM_DQ=_asm_dq(cfg, p, magic),
+        ASM_DQ=_asm_dq(cfg, p, magic), GS_SHIFT=_gs_shift(p.group_size),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         rbm, rbn = 16, 256
