@@ -144,6 +144,8 @@ def _wna16_cases():
     cases = [(m, False, 4, True, torch.bfloat16) for m in _ms(tw.CONFIG_TABLE)]
     cases += [(m, True, 4, True, torch.bfloat16) for m in _ms(tw.SWAP_CONFIG_TABLE)]
     cases += [(16, swap, 8, False, torch.float16) for swap in (False, True)]  # W8A16 sym, fp16
+    # symmetric 4-bit swapped: the inline-PTX magic-number dequantization (ASM_DQ=1), bf16 and fp16
+    cases += [(m, True, 4, False, dt) for m in (16, 64) for dt in (torch.bfloat16, torch.float16)]
     return cases
 
 

@@ -217,11 +217,12 @@ def _decode_reduce_kernel(Out, PartOut, PartLse, QueryStart, stride_ot, stride_o
 
 
 # --------------------------------------------------------------------------------------------- host side
-def _decode_launch_opts(quant: bool) -> dict:
-    """The fp8-cache decode kernel compiled to <= 128 registers: at 140-147 only 3 programs of 4 warps fit an SM, and
-    a 64-sequence x 8-KV-head step (512 programs) ran 1.29 waves on 132 SMs; at 128 (no spills, sm_90, Triton 3.6)
-    4 fit, one wave. (The interpreter takes no register limit.)"""
-    return {"maxnreg": 128} if quant and not _INTERPRET else {}
+def _decode_launch_opts(quant: bool, dtype: torch.dtype) -> dict:
+    """The fp8-cache decode kernel of a 16-bit model compiled to <= 128 registers: at 140-147 only 3 programs of 4
+    warps fit an SM, and a 64-sequence x 8-KV-head step (512 programs) ran 1.29 waves on 132 SMs; at 128 (no spills,
+    sm_90, Triton 3.6) 4 fit, one wave. A float32 model's kernel (fp32 dots) would spill 2.6x more under the limit:
+    it keeps none. (The interpreter takes no register limit.)"""
+    return {"maxnreg": 128} if quant and dtype != torch.float32 and not _INTERPRET else {}
 
 
 def _blocks(head_dim: int, fp32: bool = False) -> tuple[int, int, int]:
@@ -321,7 +322,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         scale_log2, query.stride(0), query.stride(1), out.stride(0), out.stride(1), *kv_strides,
         meta.block_tables.stride(0), *p_strides, GROUP=group, HEAD_DIM=head_dim, PAGE=page,
         NUM_SPLITS=splits, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, DOT_F32=dot_f32, PRECISION=precision,
-        QUANT=quant, num_warps=4, num_stages=2, **_decode_launch_opts(quant),
+        QUANT=quant, num_warps=4, num_stages=2, **_decode_launch_opts(quant, query.dtype),
     )
     if splits > 1:
         _decode_reduce_kernel[(b, num_heads)](
