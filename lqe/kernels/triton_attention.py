@@ -41,8 +41,16 @@ def _kv_tile(KV, table, offs_n, n_mask, offs_d, d_mask, kvh, q, stride_kv, strid
              PAGE: tl.constexpr):
     """K and V ``[BLOCK_N, BLOCK_D]`` of KV head ``kvh`` at a sequence's positions ``offs_n`` (paged through its block
     table row ``table``; masked rows read 0), widened to the query's dtype (fp32 with ``DOT_F32``; exact from fp8)."""
-    blk = tl.load(table + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-    rows = blk * stride_blk + (offs_n % PAGE) * stride_slot + kvh * stride_ch
+    blk = tl.load(table + offs_n // PAGE, mask=n_mask, other=0)
+    return _kv_tile_at(KV, blk, offs_n, n_mask, offs_d, d_mask, kvh, q, stride_kv, stride_blk, stride_slot,
+                       stride_ch, PAGE)
+
+
+@triton.jit
+def _kv_tile_at(KV, blk, offs_n, n_mask, offs_d, d_mask, kvh, q, stride_kv, stride_blk, stride_slot, stride_ch,
+                PAGE: tl.constexpr):
+    """:func:`_kv_tile` with the positions' cache blocks ``blk`` already read from the block table."""
+    rows = blk.to(tl.int64) * stride_blk + (offs_n % PAGE) * stride_slot + kvh * stride_ch
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(KV + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(KV + stride_kv + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -174,11 +182,24 @@ def _decode_kernel(Q, KV, Out, PartOut, PartLse, BlockTables, QueryStart, SeqLen
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     table = BlockTables + b.to(tl.int64) * stride_bt
+    # A 16-bit cache reads a tile's block-table entries one tile ahead: read in the tile's own iteration they put a
+    # second dependent global round trip (table, then K / V at the addresses it gives) on every iteration's critical
+    # path (a SASS review, sm_90: LDG of the table, IMAD.WIDE, then the K / V cp.async), in a kernel bound by latency
+    # (~10 bytes per instruction). It costs ~50 instructions per 64-key tile (418 -> 468, 118 registers: 4 programs
+    # per SM still fit), which the fp8 kernel, bound by instruction issue, does not take.
+    offs_n = lo + tl.arange(0, BLOCK_N)
+    blk = tl.load(table + offs_n // PAGE, mask=offs_n < hi, other=0)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
-        k, v = _kv_tile(KV, table, offs_n, n_mask, offs_d, d_mask, kvh, q, stride_kv, stride_blk, stride_slot,
-                        stride_ch, PAGE)
+        if QUANT:
+            k, v = _kv_tile(KV, table, offs_n, n_mask, offs_d, d_mask, kvh, q, stride_kv, stride_blk, stride_slot,
+                            stride_ch, PAGE)
+        else:
+            cur = blk
+            blk = tl.load(table + (offs_n + BLOCK_N) // PAGE, mask=offs_n + BLOCK_N < hi, other=0)
+            k, v = _kv_tile_at(KV, cur, offs_n, n_mask, offs_d, d_mask, kvh, q, stride_kv, stride_blk, stride_slot,
+                               stride_ch, PAGE)
         m_i, l_i, acc = _softmax_step(q, k, v, n_mask[None, :], qk_scale, m_i, l_i, acc, PRECISION)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if QUANT:
