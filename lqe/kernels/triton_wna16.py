@@ -181,6 +181,26 @@ def sweep_configs(m: int) -> list[WNA16Config]:
 
 
 # --------------------------------------------------------------------------------------------------- kernels
+
+def _dq4_asm(magic: int, one: int, minus: int, ty: str) -> str:
+    """PTX of ``_dq4_magic``: the 4 pairs of one 4-bit word, each ``lop3``-ed into the mantissas of a ``magic``
+    pair ((w & 0x000f000f) | magic), then one packed ``fma`` (``* one + minus``: minus = -(MAGIC_C + 8)); outputs
+    $0..$7 are nibble positions 0, 16, 4, 20, 8, 24, 12, 28 (low half of each pair first)."""
+    m, lines = f"0x{magic:04x}{magic:04x}", []
+    for r in range(4):
+        src = "$8" if r == 0 else f"q{r - 1}"
+        if r:
+            lines.append(f"shr.u32 q{r - 1}, $8, {4 * r};")
+        lines.append(f"lop3.b32 t{r}, {src}, 0x000f000f, {m}, 0xea;")
+    lines += [f"fma.rn.{ty} t{r}, t{r}, one, c;" for r in range(4)]
+    lines += [f"mov.b32 {{${2 * r}, ${2 * r + 1}}}, t{r};" for r in range(4)]
+    return ("{ .reg .b32 t<4>, q<3>, one, c; "
+            f"mov.b32 one, 0x{one:04x}{one:04x}; mov.b32 c, 0x{minus:04x}{minus:04x}; " + " ".join(lines) + " }")
+
+
+_DQ4_ASM_BF16 = tl.constexpr(_dq4_asm(0x4300, 0x3F80, 0xC308, "bf16x2")) if triton is not None else None  # -136
+_DQ4_ASM_F16 = tl.constexpr(_dq4_asm(0x6400, 0x3C00, 0xE408, "f16x2")) if triton is not None else None  # -1032
+
 if triton is not None:
 
     @triton.jit
@@ -216,48 +236,10 @@ if triton is not None:
         if USE_ASM:
             if DT_BF16:
                 o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
-                    """{
-                .reg .b32 t<4>, q<3>, one, c;
-                mov.b32 one, 0x3F803F80;
-                mov.b32 c, 0xC308C308;
-                lop3.b32 t0, $8, 0x000f000f, 0x43004300, 0xea;
-                shr.u32 q0, $8, 4;
-                lop3.b32 t1, q0, 0x000f000f, 0x43004300, 0xea;
-                shr.u32 q1, $8, 8;
-                lop3.b32 t2, q1, 0x000f000f, 0x43004300, 0xea;
-                shr.u32 q2, $8, 12;
-                lop3.b32 t3, q2, 0x000f000f, 0x43004300, 0xea;
-                fma.rn.bf16x2 t0, t0, one, c;
-                fma.rn.bf16x2 t1, t1, one, c;
-                fma.rn.bf16x2 t2, t2, one, c;
-                fma.rn.bf16x2 t3, t3, one, c;
-                mov.b32 {$0, $1}, t0;
-                mov.b32 {$2, $3}, t1;
-                mov.b32 {$4, $5}, t2;
-                mov.b32 {$6, $7}, t3;
-                }""", "=h,=h,=h,=h,=h,=h,=h,=h,r", [words], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+                    _DQ4_ASM_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
             else:
                 o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
-                    """{
-                .reg .b32 t<4>, q<3>, one, c;
-                mov.b32 one, 0x3C003C00;
-                mov.b32 c, 0xE408E408;
-                lop3.b32 t0, $8, 0x000f000f, 0x64006400, 0xea;
-                shr.u32 q0, $8, 4;
-                lop3.b32 t1, q0, 0x000f000f, 0x64006400, 0xea;
-                shr.u32 q1, $8, 8;
-                lop3.b32 t2, q1, 0x000f000f, 0x64006400, 0xea;
-                shr.u32 q2, $8, 12;
-                lop3.b32 t3, q2, 0x000f000f, 0x64006400, 0xea;
-                fma.rn.f16x2 t0, t0, one, c;
-                fma.rn.f16x2 t1, t1, one, c;
-                fma.rn.f16x2 t2, t2, one, c;
-                fma.rn.f16x2 t3, t3, one, c;
-                mov.b32 {$0, $1}, t0;
-                mov.b32 {$2, $3}, t1;
-                mov.b32 {$4, $5}, t2;
-                mov.b32 {$6, $7}, t3;
-                }""", "=h,=h,=h,=h,=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+                    _DQ4_ASM_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
         else:
             dt = tl.bfloat16 if DT_BF16 else tl.float16
             o0 = _dq4_ref(words, 0, MAGIC, MAGIC_C, ZC, dt, F32)
