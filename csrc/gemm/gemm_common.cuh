@@ -181,51 +181,39 @@ __device__ __forceinline__ bool splitk_arrive(int* counters) {
   return last;
 }
 
-// The splits' partials of one output element summed in split order (deterministic, as before), 16 loads in flight:
-// the last block of a tile sums ~22-32 splits per element at M = 1 (the decode shapes at 4 blocks per SM), and each
-// dependent L2 round trip is a serial step of the call's tail. The remainder past the last whole 16 is one more
-// round of predicated loads (it was up to 7 rounds of one load each at 22 splits); loads past `splits` add nothing,
-// so the sum is the same sequence of adds. `p` points at split 0's element; splits are `stride` apart.
-// Two adjacent elements at once (float2: 8-byte aligned p): half the loads of two splitk_sum calls, and the two
-// elements' rounds overlap instead of following each other. Each component is the same sequence of adds.
-__device__ __forceinline__ float2 splitk_sum2(const float* p, size_t stride, int splits) {
-  constexpr int W = 16;
-  float2 s = make_float2(0.f, 0.f);
-  for (int z = 0; z < splits; z += W) {
-    float2 part[W];
-#pragma unroll
-    for (int u = 0; u < W; ++u)
-      part[u] = z + u < splits ? __ldcg(reinterpret_cast<const float2*>(p + (size_t)(z + u) * stride))
-                               : make_float2(0.f, 0.f);
-#pragma unroll
-    for (int u = 0; u < W; ++u)
-      if (z + u < splits) {
-        s.x += part[u].x;
-        s.y += part[u].y;
-      }
-  }
-  return s;
+// One split's partial added to a running sum: scalars, and the float2 of two adjacent fp32 elements.
+template <typename A>
+__device__ __forceinline__ void splitk_add(A& s, const A& v) { s += v; }
+__device__ __forceinline__ void splitk_add(float2& s, const float2& v) {
+  s.x += v.x;
+  s.y += v.y;
 }
 
+// The splits' partials of one output element (or a float2 of two adjacent ones) summed in split order
+// (deterministic), 16 loads in flight: the last block of a tile sums ~22-32 splits per element at M = 1 (the decode
+// shapes at 4 blocks per SM), and each dependent L2 round trip is a serial step of the call's tail. The remainder past
+// the last whole 16 is one more round of predicated loads (it was up to 7 rounds of one load each at 22 splits); loads
+// past `splits` add nothing, so every component is the same sequence of adds. `p` points at split 0's element; splits
+// are `stride` elements of A apart.
 template <typename A>
 __device__ __forceinline__ A splitk_sum(const A* p, size_t stride, int splits) {
   constexpr int W = 16;
-  A s = A(0);
+  A s{};
   int z = 0;
   for (; z + W <= splits; z += W) {
     A part[W];
 #pragma unroll
     for (int u = 0; u < W; ++u) part[u] = __ldcg(p + (size_t)(z + u) * stride);
 #pragma unroll
-    for (int u = 0; u < W; ++u) s += part[u];
+    for (int u = 0; u < W; ++u) splitk_add(s, part[u]);
   }
   if (z < splits) {
     A part[W];
 #pragma unroll
-    for (int u = 0; u < W; ++u) part[u] = z + u < splits ? __ldcg(p + (size_t)(z + u) * stride) : A(0);
+    for (int u = 0; u < W; ++u) part[u] = z + u < splits ? __ldcg(p + (size_t)(z + u) * stride) : A{};
 #pragma unroll
     for (int u = 0; u < W; ++u)
-      if (z + u < splits) s += part[u];
+      if (z + u < splits) splitk_add(s, part[u]);
   }
   return s;
 }

@@ -166,7 +166,8 @@ __global__ void __launch_bounds__(kWna16Threads) wna16_gemm_kernel(
   const int rows = min(MT * 16, M - m0), pairs = min(kWna16BlockN, N - n0) / 2;
   for (int e = threadIdx.x; e < rows * pairs; e += blockDim.x) {
     const int row = m0 + e / pairs, col = n0 + 2 * (e % pairs);
-    float2 s = splitk_sum2(ws + (size_t)row * N + col, (size_t)M * N, (int)gridDim.z);
+    float2 s = splitk_sum(reinterpret_cast<const float2*>(ws + (size_t)row * N + col), (size_t)M * N / 2,
+                          (int)gridDim.z);  // (M * N is even: N % 64 == 0)
     if (bias) {
       s.x += to_f(bias[col]);
       s.y += to_f(bias[col + 1]);
