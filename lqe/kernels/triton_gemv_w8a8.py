@@ -45,6 +45,8 @@ except ImportError:  # pragma: no cover - triton is optional on CPU
     tl = None
 
 MAX_M = 16
+# Triton's interpreter (the CPU tests) runs no inline PTX: dp4a is emulated there (_dp4a)
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
 
 
@@ -289,11 +291,6 @@ if triton is not None:
 
 
 # ------------------------------------------------------------------------------------------------ host side
-def _interpreted() -> bool:
-    """Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) runs no inline PTX: dp4a is emulated there."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def gemv_w8a8(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
               azp: torch.Tensor | None = None, colsum: torch.Tensor | None = None, bias: torch.Tensor | None = None,
               out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None,
@@ -331,7 +328,7 @@ def gemv_w8a8(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale:
         bias if bias is not None else w_scale, ws, cnt, m, n, k, xq.stride(0), w.stride(0), out.stride(0),
         sa_stride, zp_stride, HAS_AZP=zp is not None, HAS_BIAS=bias is not None, IS_FP8=fp8, BLOCK_M=bm,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, USE_DOT=cfg.use_dot,
-        EVEN_K=k % cfg.block_k == 0, DP4A=dp4a, DP4A_ASM=not _interpreted(), K_STAGES=cfg.num_stages,
+        EVEN_K=k % cfg.block_k == 0, DP4A=dp4a, DP4A_ASM=not _INTERPRET, K_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
