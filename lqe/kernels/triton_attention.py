@@ -57,6 +57,47 @@ def _kv_tile_at(KV, blk, offs_n, n_mask, offs_d, d_mask, kvh, q, stride_kv, stri
     return k.to(q.dtype), v.to(q.dtype)
 
 
+def _f8x4_to_f16_asm(e5m2: bool) -> str:
+    """PTX widening one 32-bit word of 4 fp8 codes (little-endian: code i in byte i) to 4 fp16 values, exactly
+    (e4m3 and e5m2 fit fp16): two ``cvt.rn.f16x2`` of the word's halves, each a pair (code 2i in the low half)."""
+    ty = "e5m2x2" if e5m2 else "e4m3x2"
+    return ("{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; "
+            f"cvt.rn.f16x2.{ty} a, lo; cvt.rn.f16x2.{ty} b, hi; mov.b32 {{$0, $1}}, a; mov.b32 {{$2, $3}}, b; }}")
+
+
+_F8_ASM_E4M3 = tl.constexpr(_f8x4_to_f16_asm(False))
+_F8_ASM_E5M2 = tl.constexpr(_f8x4_to_f16_asm(True))
+
+
+@triton.jit
+def _v_tile_f16(KVW, rows, n_mask, stride_kv, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_D: tl.constexpr, F8: tl.constexpr, V_ASM: tl.constexpr):
+    """V ``[BLOCK_N, BLOCK_D]`` of an fp8 cache (codes of type ``F8``) at element offsets ``rows``, widened to fp16
+    in registers as it is loaded from ``KVW``, the cache viewed as int32 words of 4 codes (``V_ASM`` 1: inline PTX,
+    2: the same values and layout from Triton ops, for the interpreter, which runs no PTX). Widened this way the
+    tile reaches the PV dot as 16-bit data, which Triton passes through shared memory and reads with transposing
+    ldmatrix. An fp8 tile widened by ``.to()`` was instead moved into the dot operand's layout as bytes (Triton
+    hoists the layout change above the conversion, and 8-bit data has no transposing ldmatrix): 64 single-byte
+    shared loads and ~200 more instructions per 64-key tile (SASS, sm_90, Triton 3.6: 740 -> 535 per tile)."""
+    offs_w = tl.arange(0, BLOCK_D // 4)
+    w = tl.load(KVW + (stride_kv >> 2) + (rows >> 2)[:, None] + offs_w[None, :],
+                mask=n_mask[:, None] & (offs_w < HEAD_DIM // 4)[None, :], other=0)
+    if V_ASM == 1:
+        if F8 == tl.float8e5:
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(_F8_ASM_E5M2, "=h,=h,=h,=h,r", [w], dtype=(tl.float16,) * 4,
+                                                       is_pure=True, pack=1)
+        else:
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(_F8_ASM_E4M3, "=h,=h,=h,=h,r", [w], dtype=(tl.float16,) * 4,
+                                                       is_pure=True, pack=1)
+    else:
+        c0 = (w & 0xFF).to(tl.uint8).to(F8, bitcast=True).to(tl.float16)
+        c1 = ((w >> 8) & 0xFF).to(tl.uint8).to(F8, bitcast=True).to(tl.float16)
+        c2 = ((w >> 16) & 0xFF).to(tl.uint8).to(F8, bitcast=True).to(tl.float16)
+        c3 = ((w >> 24) & 0xFF).to(tl.uint8).to(F8, bitcast=True).to(tl.float16)
+    # tl.join appends its axis last: [word, p, q] holds code 2 p + q for join(join(c0, c2), join(c1, c3))
+    return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (BLOCK_N, BLOCK_D))
+
+
 @triton.jit
 def _softmax_step(q, k, v, keep, qk_scale, m_i, l_i, acc, PRECISION: tl.constexpr):
     """One K/V tile of the online softmax in base 2: the scores where ``keep`` (else -inf), then the running max
@@ -138,11 +179,12 @@ def _prefill_kernel(Q, KV, Out, BlockTables, QueryStart, SeqLens, Tiles, KScale,
 
 # --------------------------------------------------------------------------------------------- decode
 @triton.jit
-def _decode_kernel(Q, KV, Out, PartOut, PartLse, BlockTables, QueryStart, SeqLens, KScale, VScale, scale_log2,
+def _decode_kernel(Q, KV, KVW, Out, PartOut, PartLse, BlockTables, QueryStart, SeqLens, KScale, VScale, scale_log2,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_kv, stride_blk, stride_slot, stride_ch,
                    stride_bt, stride_pb, stride_ph, stride_ps, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr):
+                   BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
+                   V_ASM: tl.constexpr):
     """One program per (sequence, KV head, split): all ``GROUP`` query heads of a KV head share its loads."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -182,24 +224,32 @@ def _decode_kernel(Q, KV, Out, PartOut, PartLse, BlockTables, QueryStart, SeqLen
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     table = BlockTables + b.to(tl.int64) * stride_bt
-    # A 16-bit cache reads a tile's block-table entries one tile ahead: read in the tile's own iteration they put a
-    # second dependent global round trip (table, then K / V at the addresses it gives) on every iteration's critical
-    # path (a SASS review, sm_90: LDG of the table, IMAD.WIDE, then the K / V cp.async), in a kernel bound by latency
-    # (~10 bytes per instruction). It costs ~50 instructions per 64-key tile (418 -> 468, 118 registers: 4 programs
-    # per SM still fit), which the fp8 kernel, bound by instruction issue, does not take.
+    # A tile's block-table entries are read one tile ahead: read in the tile's own iteration they put a second
+    # dependent global round trip (table, then K / V at the addresses it gives) on every iteration's critical path
+    # (a SASS review, sm_90: LDG of the table, IMAD.WIDE, then the K / V cp.async), in a kernel bound by latency
+    # (~10 bytes per instruction for a 16-bit cache). It costs ~25-50 instructions per 64-key tile (16-bit cache
+    # 418 -> 468, 118 registers; fp8 with V_ASM 535 -> 561, 126 registers: 4 programs per SM still fit). The fp8
+    # cache of a float32 model (fp32 dots, ``.to()`` widening, issue-bound) keeps the in-iteration read.
     offs_n = lo + tl.arange(0, BLOCK_N)
     blk = tl.load(table + offs_n // PAGE, mask=offs_n < hi, other=0)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
-        if QUANT:
+        if QUANT and V_ASM == 0:
             k, v = _kv_tile(KV, table, offs_n, n_mask, offs_d, d_mask, kvh, q, stride_kv, stride_blk, stride_slot,
                             stride_ch, PAGE)
         else:
             cur = blk
             blk = tl.load(table + (offs_n + BLOCK_N) // PAGE, mask=offs_n + BLOCK_N < hi, other=0)
-            k, v = _kv_tile_at(KV, cur, offs_n, n_mask, offs_d, d_mask, kvh, q, stride_kv, stride_blk, stride_slot,
-                               stride_ch, PAGE)
+            if V_ASM != 0:
+                rows = cur.to(tl.int64) * stride_blk + (offs_n % PAGE) * stride_slot + kvh * stride_ch
+                k = tl.load(KV + rows[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :],
+                            other=0.0).to(q.dtype)
+                v = _v_tile_f16(KVW, rows, n_mask, stride_kv, HEAD_DIM, BLOCK_N, BLOCK_D, KV.dtype.element_ty,
+                                V_ASM)
+            else:
+                k, v = _kv_tile_at(KV, cur, offs_n, n_mask, offs_d, d_mask, kvh, q, stride_kv, stride_blk,
+                                   stride_slot, stride_ch, PAGE)
         m_i, l_i, acc = _softmax_step(q, k, v, n_mask[None, :], qk_scale, m_i, l_i, acc, PRECISION)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if QUANT:
@@ -244,6 +294,16 @@ def _decode_launch_opts(quant: bool, dtype: torch.dtype) -> dict:
     sm_90, Triton 3.6) 4 fit, one wave. A float32 model's kernel (fp32 dots) would spill 2.6x more under the limit:
     it keeps none. (The interpreter takes no register limit.)"""
     return {"maxnreg": 128} if quant and dtype != torch.float32 and not _INTERPRET else {}
+
+
+def _v_asm(kv_cache: torch.Tensor, dtype: torch.dtype, quant: bool, head_dim: int) -> int:
+    """The decode kernel's ``V_ASM``: how a 16-bit model's fp8 V is widened (:func:`_v_tile_f16`; rows of whole
+    16-byte runs, ``head_dim % 16 == 0``): 1 by inline PTX, 2 by the same layout from Triton ops (the interpreter),
+    0 by ``.to()`` (a 16-bit cache, a float32 model's fp32 dots)."""
+    if (not quant or dtype == torch.float32 or head_dim % 16 or kv_cache.stride(-1) != 1
+            or kv_cache.data_ptr() % 16):
+        return 0
+    return 2 if _INTERPRET else 1
 
 
 def _blocks(head_dim: int, fp32: bool = False) -> tuple[int, int, int]:
@@ -338,12 +398,13 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     else:
         part_out = part_lse = out  # unused
     p_strides = (num_heads * splits * block_d, splits * block_d, block_d)
+    v_asm = _v_asm(kv_cache, query.dtype, quant, head_dim)
     _decode_kernel[(b, num_kv_heads, splits)](
-        query, kv_cache, out, part_out, part_lse, meta.block_tables, meta.query_start_loc, meta.seq_lens, ks, vs,
+        query, kv_cache, kv_cache.view(torch.int32) if v_asm else kv_cache, out, part_out, part_lse, meta.block_tables, meta.query_start_loc, meta.seq_lens, ks, vs,
         scale_log2, query.stride(0), query.stride(1), out.stride(0), out.stride(1), *kv_strides,
         meta.block_tables.stride(0), *p_strides, GROUP=group, HEAD_DIM=head_dim, PAGE=page,
         NUM_SPLITS=splits, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, DOT_F32=dot_f32, PRECISION=precision,
-        QUANT=quant, num_warps=4, num_stages=2, **_decode_launch_opts(quant, query.dtype),
+        QUANT=quant, V_ASM=v_asm, num_warps=4, num_stages=2, **_decode_launch_opts(quant, query.dtype),
     )
     if splits > 1:
         _decode_reduce_kernel[(b, num_heads)](
