@@ -69,6 +69,11 @@ def compile_launch(launch: Launch, capability: int = 90):
 def spill_bytes(ptx: str) -> int:
     """Bytes of register spill stores ptxas reports for ``ptx`` (assembled again with ``-v`` by the ptxas Triton
     itself uses, for the PTX's own target)."""
+    return ptxas_usage(ptx)[1]
+
+
+def ptxas_usage(ptx: str) -> tuple[int, int]:
+    """(registers per thread, bytes of spill stores) ptxas reports for ``ptx``, as :func:`spill_bytes` assembles it."""
     import os
     import subprocess
     import tempfile
@@ -88,5 +93,6 @@ def spill_bytes(ptx: str) -> int:
                               capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = re.findall(r"(\d+) bytes spill stores", proc.stderr)
-    assert found, proc.stderr[-3000:]
-    return sum(map(int, found))
+    regs = re.findall(r"Used (\d+) registers", proc.stderr)
+    assert found and regs, proc.stderr[-3000:]
+    return max(map(int, regs)), sum(map(int, found))

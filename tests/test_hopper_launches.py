@@ -138,6 +138,48 @@ def test_fp8_gemm(m, block):
                                           block_scale=block)) == ["_fp8_mm_kernel"]
 
 
+@pytest.mark.skipif(F8 is None, reason="this torch has no float8_e4m3fn")
+def test_fp8_gemm_split_k_reduction_fits_three_programs_per_sm(monkeypatch):
+    """M = 64 on the o_proj shape with an H100 / H200's 132 SMs: split 5. Its last program summed the 5 partial
+    64 x 64 tiles unrolled, every one live at once: 188 registers, 2 programs of 128 threads per SM (320 programs,
+    1.21 waves). Pipelined (triton_fp8.red_stages) the same sums take <= 168: 3 per SM, one wave."""
+    from hopper_compile import captured_launches, compile_launch, ptxas_usage
+    from lqe.kernels import triton_fp8 as tf
+
+    monkeypatch.setattr(tf, "sm_count", lambda device=None, cpu_default=8: 132)
+    k, n = SHAPE
+    xq, w = torch.randn(64, k).div(4).to(F8), torch.randn(n, k).div(4).to(F8)
+    with captured_launches() as launches:
+        tf.fp8_mm(xq, torch.rand(64, 1) + 0.1, w, torch.rand(n) + 0.1)
+    (launch,) = launches
+    assert launch.kwargs["SPLIT_K"] == 5 and launch.kwargs["RED_STAGES"] > 0, launch.kwargs
+    regs, spills = ptxas_usage(compile_launch(launch).asm["ptx"])
+    assert spills == 0 and regs * 128 * 3 <= 65536, regs
+
+
+@pytest.mark.skipif(F8 is None, reason="this torch has no float8_e4m3fn")
+@pytest.mark.parametrize("m", [1, 16])
+def test_swapped_8bit_gemms_run_hopper_wgmma(m):
+    """The swap_ab candidates (fp8 GEMM at M <= 16, the GEMV's tensor-core path, fp8 and int8): the weight tile is
+    wgmma's M operand, so the 8-bit operands reach the tensor cores as they are (no e4m3 -> f16 conversion)."""
+    from lqe.kernels import triton_fp8 as tf
+    from lqe.kernels import triton_gemv_w8a8 as tg
+
+    k, n = SHAPE
+    xq, w = torch.randn(m, k).div(4).to(F8), torch.randn(n, k).div(4).to(F8)
+    sa, sw = torch.rand(m, 1) + 0.1, torch.rand(n) + 0.1
+
+    def check(name, ptx):
+        assert "wgmma.mma_async" in ptx and "cvt.rn.f16x2.e4m3x2" not in ptx, name
+
+    assert _compile_all(lambda: tf.fp8_mm(xq, sa, w, sw, config=tf.Fp8Config(16, 64, 128, 4, 4, 0, swap_ab=True)),
+                        check) == ["_fp8_mm_kernel"]
+    cfg = tg.GemvConfig(64, 128, use_dot=True, swap_ab=True)
+    assert _compile_all(lambda: tg.gemv_w8a8(xq, sa, w, sw, config=cfg), check) == ["_gemv_kernel"]
+    xi, wi = torch.randint(-127, 128, (m, k), dtype=torch.int8), torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    assert _compile_all(lambda: tg.gemv_w8a8(xi, sa, wi, sw, config=cfg), check) == ["_gemv_kernel"]
+
+
 def _wna16_cases():
     from lqe.kernels import triton_wna16 as tw
 

@@ -23,6 +23,13 @@ SCRIPT = """
     # block-scaled: N spans two 128-row weight blocks (ragged), K three 128 groups (ragged last one)
     check(5, 200, 300, C(16, 64, 128, split_k=1), block=True)
     check(18, 136, 384, C(16, 32, 128, split_k=2), block=True, dt=torch.float16)
+    # the swapped GEMM (out^T = W x^T; per-channel only, a block-scaled launch ignores it): ragged N / K, split-K
+    check(5, 72, 200, C(16, 64, 64, split_k=2, swap_ab=True), dt=torch.float16)
+    check(16, 136, 256, C(16, 64, 128, split_k=1, swap_ab=True))
+    check(5, 136, 256, C(16, 64, 128, split_k=2, swap_ab=True), block=True)
+    # the pipelined split-K reduction (red_stages > 0: 16 x 64 x 9 partials exceed the unrolled budget)
+    check(7, 72, 570, C(16, 64, 64, split_k=9))  # 9 K blocks (a ragged last one): 9 splits
+    check(7, 136, 1152, C(16, 128, 128, split_k=9), block=True)
     print("FP8-GEMM-INTERPRET-OK")
 """
 
@@ -44,6 +51,10 @@ def test_fp8_configs_and_bad_scales():
         cfg = tf.pick_config(m, 4096, 4096)
         assert cfg.split_k >= 1 and (m > 64 or cfg.split_k * -(-m // cfg.block_m) * cfg.block_m <= tf.WS_ROWS)
         assert tf.sweep_configs(m)
+    assert tf.red_stages(tf.Fp8Config(16, 64, split_k=5), 5) == 0  # 40 registers per thread of partials
+    assert tf.red_stages(tf.Fp8Config(64, 64, split_k=5), 5) > 0  # 160
+    assert tf.red_stages(tf.Fp8Config(16, 64, 64, split_k=9), 9) > 0  # the interpreter case above
+    assert any(c.swap_ab for c in tf.sweep_configs(16)) and not any(c.swap_ab for c in tf.sweep_configs(64))
     x = torch.zeros(2, 256, dtype=torch.float8_e4m3fn)
     w = torch.zeros(8, 256, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="block scales"):

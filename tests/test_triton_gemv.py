@@ -37,6 +37,11 @@ SCRIPT = """
     # asymmetric int8 (zero point x colsum in the epilogue), per token and static
     G.check_gemv(5, 72, 200, C(32, 64, True, split_k=3), "int8", sym=False, dt=f16)
     G.check_gemv(2, 40, 96, C(16, 32, False, split_k=2), "int8", sym=False, static=True, dt=f16)
+    # the swapped tensor-core GEMM (out^T = W x^T): ragged N and K, split-K, padded tokens, both kinds
+    for kind in ("int8", "fp8"):
+        G.check_gemv(5, 72, 200, C(64, 64, True, split_k=2, swap_ab=True), kind, dt=bf16)
+        G.check_gemv(16, 136, 256, C(64, 128, True, split_k=1, swap_ab=True), kind, dt=f16)
+    G.check_gemv(3, 72, 200, C(64, 64, True, split_k=3, swap_ab=True), "int8", sym=False, dt=f16)
     G.check_rejects_bad_input("cpu")
     print("GEMV-INTERPRET-OK")
 """
@@ -66,7 +71,8 @@ def test_config_table_and_split_k_are_host_functions():
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="ahead-of-time compilation needs triton's real JIT")
-@pytest.mark.parametrize("variant", ["i8-fma-m1", "i8-fma-m4-azp", "i8-dot", "fp8-fma-m1", "fp8-dot", "i8-dp4a-m1"])
+@pytest.mark.parametrize("variant", ["i8-fma-m1", "i8-fma-m4-azp", "i8-dot", "fp8-fma-m1", "fp8-dot", "i8-dp4a-m1",
+                                     "i8-dot-swap", "fp8-dot-swap"])
 def test_gemv_compiles_for_hopper_with_vector_loads(variant):
     """Compile to sm_90 PTX without a GPU (Triton ships ptxas), with the 16-byte alignment the JIT infers for
     torch's allocations: the weight stream must use 16-byte vector loads, the dot variant tensor-core mma, and
@@ -83,8 +89,8 @@ def test_gemv_compiles_for_hopper_with_vector_loads(variant):
     fp8 = dt == "fp8"
     consts = dict(HAS_AZP="azp" in rest, HAS_BIAS=True, IS_FP8=fp8, BLOCK_M=16 if path == "dot" else
                   (4 if "m4" in rest else 1), BLOCK_N=64 if path == "dot" else 32,
-                  BLOCK_K=256, SPLIT_K=4, USE_DOT=path == "dot", EVEN_K=True, DP4A=path == "dp4a", DP4A_ASM=True,
-                  K_STAGES=3)
+                  BLOCK_K=128 if "swap" in rest else 256, SPLIT_K=4, USE_DOT=path == "dot", EVEN_K=True,
+                  DP4A=path == "dp4a", DP4A_ASM=True, K_STAGES=3, SWAP_AB="swap" in rest)
     fn = tg._gemv_kernel
     elem = "fp8e4nv" if fp8 else "i8"
     types = {"x_ptr": f"*{elem}", "w_ptr": f"*{elem}", "out_ptr": "*bf16", "a_scale_ptr": "*fp32",
@@ -100,7 +106,10 @@ def test_gemv_compiles_for_hopper_with_vector_loads(variant):
     assert re.search(vector, ptx), \
         "the weight stream should be 16-byte vector loads"
     assert ".local" not in ptx, "register spills to local memory"
-    if path == "dot":
+    if path == "dot" and "swap" in rest:  # Hopper's wgmma on the 8-bit operands themselves: no fp16 upcast
+        assert "wgmma.mma_async" in ptx and ("e4m3.e4m3" in ptx if fp8 else ".s8.s8" in ptx)
+        assert "cvt.rn.f16x2.e4m3x2" not in ptx
+    elif path == "dot":
         assert "mma.sync" in ptx
     if path == "dp4a":  # four int8 products per instruction, the K loop pipelined through cp.async
         assert "dp4a.s32.s32" in ptx and "cp.async" in ptx

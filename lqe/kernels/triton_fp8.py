@@ -16,6 +16,7 @@ tables, paste-able); host-only choice, CUDA-graph capturable. The split-K worksp
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -50,10 +51,16 @@ class Fp8Config:
     num_stages: int = 4
     split_k: int = 1  # 0 = from the SM count
     group_m: int = 8
+    # out^T = W x^T (per-channel scales only): the weight tile is wgmma's M operand (BLOCK_N >= 64 with 4 warps), the
+    # tokens its N, so BLOCK_M = 16 runs native fp8 wgmma with no fp16 upcast (sm_90, Triton 3.6: 139 -> 84 SASS
+    # instructions per 8 KB K block at M = 16, no F2FP; a SASS review). Accumulation is promoted to fp32 every
+    # BLOCK_K (max_num_imprecise_acc): the fp16 mma.sync path it replaces accumulates exactly. NOT MEASURED.
+    swap_ab: bool = False
 
     def __str__(self) -> str:
         sk = "auto" if self.split_k == 0 else self.split_k
-        return f"m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}sk{sk}"
+        sw = "-swap" if self.swap_ab else ""
+        return f"m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}sk{sk}{sw}"
 
 
 # GUESSED, NOT MEASURED (written without a GPU): BLOCK_M >= 64 with 4/8 warps runs on Hopper's fp8 wgmma.
@@ -86,6 +93,8 @@ def sweep_configs(m: int) -> list[Fp8Config]:
                         if (bm + bn) * bk * st > 200 * 1024 or (bn == 256 and nw == 4) or (bm < 64 and nw == 8):
                             continue
                         out.append(Fp8Config(bm, bn, bk, nw, st, 0 if m <= 64 else 1))
+                        if bm == 16 and bn >= 64 and nw == 4:  # the swapped GEMM (fp8 wgmma at 16 tokens)
+                            out.append(Fp8Config(bm, bn, bk, nw, st, 0, swap_ab=True))
     return out
 
 
@@ -102,7 +111,7 @@ def resolve(cfg: Fp8Config, m: int, n: int, k: int, device: torch.device | None)
     want = math.ceil(2 * sm_count(device, cpu_default=8) / max(tiles, 1))
     rows = math.ceil(m / cfg.block_m) * cfg.block_m
     sk = max(1, min(want, math.ceil(k / cfg.block_k) // 4, WS_ROWS // rows, 32))
-    return Fp8Config(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, sk, cfg.group_m)
+    return dataclasses.replace(cfg, split_k=sk)
 
 
 # ------------------------------------------------------------------------------------------------ workspace
@@ -133,7 +142,7 @@ if triton is not None:
                        stride_am, stride_bn, stride_om, a_scale_stride, stride_sam, stride_swn,
                        HAS_BIAS: tl.constexpr, BLOCK_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
-                       EVEN_K: tl.constexpr):
+                       EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, RED_STAGES: tl.constexpr):
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m, pid_n, num_pid_m, num_pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -142,9 +151,12 @@ if triton is not None:
         kb0, kb1 = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
         a_ptrs, b_ptrs = kmajor_ptrs(a_ptr, b_ptr, ram, rbn, rk, kb0, stride_am, stride_bn, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # (SWAP_AB)
         for kb in range(kb0, kb1):
             a, b = load_ab(a_ptrs, b_ptrs, kb, rk, K, BLOCK_K, EVEN_K)
-            if BLOCK_SCALE == 0:
+            if SWAP_AB:  # out^T = W x^T: both operands K-major in shared memory, as wgmma takes them
+                acc_t = tl.dot(tl.trans(b), tl.trans(a), acc_t, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
+            elif BLOCK_SCALE == 0:
                 acc = tl.dot(a, b, acc, out_dtype=tl.float32)
             else:  # BLOCK_K == BLOCK_SCALE: one activation group / weight block column per step
                 sa = tl.load(a_scale_ptr + ram * stride_sam + kb)
@@ -153,21 +165,30 @@ if triton is not None:
                 acc += part * (sa[:, None] * sw[None, :])
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
+        if SWAP_AB:
+            acc = tl.trans(acc_t)
         if SPLIT_K == 1:
             _fp8_epilogue(acc, rm, rn, M, N, out_ptr, stride_om, a_scale_ptr, a_scale_stride, w_scale_ptr,
                           bias_ptr, HAS_BIAS, BLOCK_SCALE)
         else:
             m_pad = num_pid_m * BLOCK_M
-            mask = (rn < N)[None, :] & (rm < m_pad)[:, None]
-            tl.store(ws_ptr + (pid_k * m_pad + rm)[:, None] * N + rn[None, :], acc, mask=mask)
+            # padding rows (rm >= M) are never stored; the sums read them back as whatever the workspace holds, and
+            # the epilogue drops them (a row mask on those loads cost 13 registers at 64 x 64, split 5)
+            mask = (rn < N)[None, :]
+            tl.store(ws_ptr + (pid_k * m_pad + rm)[:, None] * N + rn[None, :], acc, mask=mask & (rm < M)[:, None])
             tl.debug_barrier()
             tile = pid_m * num_pid_n + pid_n
             arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
             if arrived == SPLIT_K - 1:  # last program of the tile: sum the partials in split order
                 total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for s in tl.static_range(SPLIT_K):  # unrolled: every split's load in flight, summed in order
-                    total += tl.load(ws_ptr + (s * m_pad + rm)[:, None] * N + rn[None, :], mask=mask, other=0.0,
-                                     cache_modifier=".cg")
+                if RED_STAGES == 0:
+                    for s in tl.static_range(SPLIT_K):  # unrolled: every split's load in flight, summed in order
+                        total += tl.load(ws_ptr + (s * m_pad + rm)[:, None] * N + rn[None, :], mask=mask,
+                                         other=0.0, cache_modifier=".cg")
+                else:  # pipelined (cp.async): RED_STAGES - 1 splits in flight, the same order, fewer registers
+                    for s in tl.range(0, SPLIT_K, num_stages=RED_STAGES):
+                        total += tl.load(ws_ptr + (s * m_pad + rm)[:, None] * N + rn[None, :], mask=mask,
+                                         other=0.0, cache_modifier=".cg")
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")  # (stream order publishes it to the next launch)
                 _fp8_epilogue(total, rm, rn, M, N, out_ptr, stride_om, a_scale_ptr, a_scale_stride, w_scale_ptr,
                               bias_ptr, HAS_BIAS, BLOCK_SCALE)
@@ -191,8 +212,7 @@ def fp8_mm(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: to
     kb = math.ceil(k / SCALE_BLOCK)
     if block_scale:
         if cfg.block_k != SCALE_BLOCK or cfg.block_n > SCALE_BLOCK:
-            cfg = Fp8Config(cfg.block_m, min(cfg.block_n, SCALE_BLOCK), SCALE_BLOCK, cfg.num_warps, cfg.num_stages,
-                            cfg.split_k, cfg.group_m)
+            cfg = dataclasses.replace(cfg, block_n=min(cfg.block_n, SCALE_BLOCK), block_k=SCALE_BLOCK)
         if a_scale.shape != (m, kb) or w_scale.shape != (math.ceil(n / SCALE_BLOCK), kb):
             raise ValueError(f"triton-fp8 block scales: a_scale {tuple(a_scale.shape)} should be {(m, kb)}, w_scale "
                              f"{tuple(w_scale.shape)} should be {(math.ceil(n / SCALE_BLOCK), kb)}")
@@ -213,8 +233,18 @@ def fp8_mm(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: to
         xq, w, out, sa, sw, bias if bias is not None else sw, ws, cnt, m, n, k, xq.stride(0), w.stride(0),
         out.stride(0), sa_stride, stride_sam, stride_swn, HAS_BIAS=bias is not None, BLOCK_SCALE=SCALE_BLOCK if block_scale else 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, GROUP_M=cfg.group_m,
-        EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        EVEN_K=k % cfg.block_k == 0, SWAP_AB=cfg.swap_ab and not block_scale,
+        RED_STAGES=red_stages(cfg, split_k), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
+
+
+def red_stages(cfg: Fp8Config, split_k: int) -> int:
+    """How the last program of a split-K tile sums the partials: 0 = unrolled (every split's tile live in registers
+    at once), else a pipelined loop with that many stages. Unrolled, a 64 x 64 tile at split 5 took 188 registers
+    (2 programs per SM: 320 programs ran 1.21 waves on 132 SMs); pipelined 168 (3 per SM, 0.81 waves), the same
+    summation order (sm_90, Triton 3.6; a SASS review, not measured). Unrolled while the partials take <= 64
+    registers per thread."""
+    return 0 if cfg.block_m * cfg.block_n * split_k <= 64 * 32 * cfg.num_warps else 4
 
 
 def block_fp8_ref(xq, a_scale, w, w_scale, bias=None):

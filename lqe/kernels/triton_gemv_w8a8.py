@@ -25,6 +25,7 @@ print the tables they imply, paste-able. The tables below are guesses until meas
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -64,10 +65,15 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     dp4a: bool = True  # int8 at M = 1 on the CUDA cores: dp4a on int32 words (where K and the strides allow)
+    # use_dot only: out^T = W x^T, the weight tile wgmma's M operand (BLOCK_N >= 64) and the 16 token rows its N, so
+    # fp8 runs native fp8 wgmma (no fp16 upcast: one F2FP per weight byte and per activation byte in every warp
+    # before, 240 -> 70 SASS instructions per 8 KB at BLOCK_K = 128; int8 IGMMA) on sm_90 (a SASS review, Triton
+    # 3.6; NOT MEASURED). fp8 accumulation is promoted to fp32 every BLOCK_K (max_num_imprecise_acc).
+    swap_ab: bool = False
 
     def __str__(self) -> str:
         sk = "auto" if self.split_k == 0 else self.split_k
-        path = "dot" if self.use_dot else "fma" if not self.dp4a else "fma-dp4a"
+        path = ("dot-swap" if self.swap_ab else "dot") if self.use_dot else "fma" if not self.dp4a else "fma-dp4a"
         return f"{path}-n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}sk{sk}"
 
 
@@ -112,6 +118,15 @@ def sweep_configs(m: int) -> list[GemvConfig]:
                     if not use_dot and m == 1:  # the dp4a path without its K pipeline, and the fp32-FMA path
                         out.append(GemvConfig(bn, bk, use_dot, 0, nw, 1))
                         out.append(GemvConfig(bn, bk, use_dot, 0, nw, 3, dp4a=False))
+                if use_dot and bn >= 64 and bk == 128:
+                    # deeper K pipelines, fixed splits (the auto split gave o_proj 2 K blocks per program), and the
+                    # swapped GEMM (a SASS / occupancy review's candidates, sm_90: none measured yet)
+                    for st in (4, 5):
+                        out.append(GemvConfig(bn, bk, True, 0, 4, st))
+                    for sk in (1, 2, 4):
+                        out.append(GemvConfig(bn, bk, True, sk, 4, 3))
+                    for st in (3, 5):
+                        out.append(GemvConfig(bn, bk, True, 0, 4, st, swap_ab=True))
     return out
 
 
@@ -137,8 +152,7 @@ def pick_config(m: int, n: int, k: int, device: torch.device | None = None,
 def resolve(cfg: GemvConfig, m: int, n: int, k: int, device: torch.device | None) -> GemvConfig:
     if cfg.split_k != 0:
         return cfg
-    sk = auto_split_k(m, n, k, cfg, sm_count(device, cpu_default=8))
-    return GemvConfig(cfg.block_n, cfg.block_k, cfg.use_dot, sk, cfg.num_warps, cfg.num_stages, cfg.dp4a)
+    return dataclasses.replace(cfg, split_k=auto_split_k(m, n, k, cfg, sm_count(device, cpu_default=8)))
 
 
 # ------------------------------------------------------------------------------------------------ workspace
@@ -172,7 +186,8 @@ if triton is not None:
                      cnt_ptr, M, N, K, stride_xm, stride_wn, stride_om, a_scale_stride, azp_stride,
                      HAS_AZP: tl.constexpr, HAS_BIAS: tl.constexpr, IS_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
-                     EVEN_K: tl.constexpr, DP4A: tl.constexpr, DP4A_ASM: tl.constexpr, K_STAGES: tl.constexpr):
+                     EVEN_K: tl.constexpr, DP4A: tl.constexpr, DP4A_ASM: tl.constexpr, K_STAGES: tl.constexpr,
+                     SWAP_AB: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -184,8 +199,10 @@ if triton is not None:
         kb0, kb1 = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
         if IS_FP8:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # (SWAP_AB)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+            acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
         x_ptrs = x_ptr + rxm[:, None] * stride_xm + (kb0 * BLOCK_K + rk)[None, :]
         if DP4A:
             # int8 at M = 1 (BLOCK_M == 1) on the CUDA cores, on int32 words of w and x (K, the row strides and
@@ -218,7 +235,17 @@ if triton is not None:
                     x = tl.load(x_ptrs)
                 else:
                     x = tl.load(x_ptrs, mask=kmask[None, :], other=0.0)
-                if USE_DOT:  # weight tile as the K-major B operand [BLOCK_K, BLOCK_N]
+                if USE_DOT and SWAP_AB:  # weight tile [BLOCK_N, BLOCK_K] as wgmma's M operand, x^T its B
+                    w_ptrs = w_ptr + rwn[:, None] * stride_wn + (kb * BLOCK_K + rk)[None, :]
+                    if EVEN_K:
+                        w = tl.load(w_ptrs)
+                    else:
+                        w = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
+                    if IS_FP8:
+                        acc_t = tl.dot(w, tl.trans(x), acc_t, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
+                    else:
+                        acc_t = tl.dot(w, tl.trans(x), acc_t, out_dtype=tl.int32)
+                elif USE_DOT:  # weight tile as the K-major B operand [BLOCK_K, BLOCK_N]
                     w_ptrs = w_ptr + rwn[None, :] * stride_wn + (kb * BLOCK_K + rk)[:, None]
                     if EVEN_K:
                         w = tl.load(w_ptrs)
@@ -260,12 +287,14 @@ if triton is not None:
                             else:
                                 acc += tl.where(rm[:, None] == mi, row.to(tl.int32)[None, :], 0)
                 x_ptrs += BLOCK_K
+            if USE_DOT and SWAP_AB:
+                acc = tl.trans(acc_t)
 
         if SPLIT_K == 1:
             _epilogue(acc, rm, rn, M, N, out_ptr, stride_om, a_scale_ptr, a_scale_stride, w_scale_ptr,
                       azp_ptr, azp_stride, colsum_ptr, bias_ptr, HAS_AZP, HAS_BIAS)
         else:
-            mask = (rm < BLOCK_M)[:, None] & (rn < N)[None, :]
+            mask = (rm < M)[:, None] & (rn < N)[None, :]  # (padding tokens: never stored, read back as 0)
             part = ws_ptr + (pid_k * BLOCK_M + rm)[:, None] * N + rn[None, :]
             if IS_FP8:
                 tl.store(part, acc.to(tl.int32, bitcast=True), mask=mask)
@@ -329,7 +358,7 @@ def gemv_w8a8(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale:
         sa_stride, zp_stride, HAS_AZP=zp is not None, HAS_BIAS=bias is not None, IS_FP8=fp8, BLOCK_M=bm,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, USE_DOT=cfg.use_dot,
         EVEN_K=k % cfg.block_k == 0, DP4A=dp4a, DP4A_ASM=not _INTERPRET, K_STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SWAP_AB=cfg.use_dot and cfg.swap_ab, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

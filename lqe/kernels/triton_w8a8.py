@@ -64,11 +64,14 @@ class W8A8Config:
 
 
 # (max_m, config), first row covering M wins. BLOCK_M >= 64 with 4/8 warps runs on Hopper's wgmma; smaller
-# tiles on mma.sync. To be set from `python benchmarks/kernels.py --w8a8-sweep` on the target GPU.
+# tiles on mma.sync. To be set from `python benchmarks/kernels.py --w8a8-sweep` on the target GPU. The M <= 64 rows
+# had BLOCK_K = 256: 4 stages of (64 + 64) x 256 bytes = 128 KB of shared memory, one program per SM, so the split-K
+# grid ran 1.9-3.4 waves on 132 SMs (a SASS / occupancy review, sm_90; measured 0.66x cuBLAS bf16 at M = 64 on the
+# H200). BLOCK_K = 128 halves it (3 programs per SM at M = 64); not measured yet (int-mm+epilogue runs M <= 128).
 CONFIGS: list[tuple[int | None, W8A8Config]] = [
-    (16, W8A8Config(16, 64, 256, num_warps=4, num_stages=4, split_k=0)),
-    (32, W8A8Config(32, 64, 256, num_warps=4, num_stages=4, split_k=0)),
-    (64, W8A8Config(64, 64, 256, num_warps=4, num_stages=4, split_k=0)),
+    (16, W8A8Config(16, 64, 128, num_warps=4, num_stages=4, split_k=0)),
+    (32, W8A8Config(32, 64, 128, num_warps=4, num_stages=4, split_k=0)),
+    (64, W8A8Config(64, 64, 128, num_warps=4, num_stages=4, split_k=0)),
     (128, W8A8Config(64, 128, 128, num_warps=4, num_stages=4)),
     (256, W8A8Config(128, 128, 128, num_warps=8, num_stages=4)),
     (None, W8A8Config(128, 256, 128, num_warps=8, num_stages=3)),

@@ -156,3 +156,20 @@ def test_gemv_fp8_table_configs(m, shape):
 @requires_cuda
 def test_gemv_rejects_bad_input():
     check_rejects_bad_input("cuda")
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("shape", [(4096, 4096), (14336, 4096), (200, 72)])
+def test_gemv_swapped_tensor_core_path(m, shape):
+    """The swap_ab candidate (out^T = W x^T: native 8-bit wgmma on Hopper, promoted to fp32 every BLOCK_K for fp8)
+    against the reference, int8 (sym / asym) and fp8, split-K auto."""
+    from lqe.kernels import triton_gemv_w8a8 as tg
+
+    k, n = shape
+    cfg = tg.GemvConfig(64, 128, use_dot=True, swap_ab=True)
+    check_gemv(m, n, k, cfg, "int8", dt=torch.bfloat16)
+    check_gemv(m, n, k, cfg, "int8", sym=False, bias=False, dt=torch.float16)
+    if fp8_ok():
+        check_gemv(m, n, k, cfg, "fp8", dt=torch.bfloat16)

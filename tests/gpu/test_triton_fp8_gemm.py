@@ -106,3 +106,19 @@ def test_block_scaled_fp8_layer_runs_the_triton_kernel(m):
     ref = x.float() @ w.to("cuda").float().t()
     assert out.dtype == torch.bfloat16 and out.shape == (m, 456)
     assert (out.float() - ref).norm() / ref.norm() < 0.06  # fp8 activations (3 mantissa bits) per 1x128 group
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not fp8_ok(), reason="needs an FP8 GPU (sm89+)")
+@pytest.mark.parametrize("m", [1, 7, 16])
+@pytest.mark.parametrize("shape", [(4096, 6144), (14336, 4096), (200, 72)])
+def test_fp8_mm_swapped(m, shape):
+    """The swap_ab candidate at M <= 16 (fp8 wgmma with the tokens as N, fp32 promotion every BLOCK_K), split-K auto
+    and 1; a block-scaled launch ignores the flag."""
+    from lqe.kernels import triton_fp8 as tf
+
+    k, n = shape
+    for sk in (0, 1):
+        cfg = tf.Fp8Config(16, 64, 128, 4, 4, sk, swap_ab=True)
+        check_fp8_mm(m, n, k, cfg, block=False)
+    check_fp8_mm(m, n, k, tf.Fp8Config(16, 64, 128, 4, 4, 0, swap_ab=True), block=True, bias=False)
