@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ptxas resource report of lqe-w4a16-mma (csrc/gemm/w4a16_mma.cu) per template configuration and arch:
-# registers, spills (must be 0) and shared memory (dynamic: kStages * (weights + activations + 2 x scale slots)
+# registers, spills (must be 0) and shared memory (dynamic: stages * (weights + activations + 2 x scale slots)
 # per stage, from the Smem<> formula; ptxas reports only static shared memory). No GPU needed.
 #   bash benchmarks/w4a16_ptxas.sh > benchmarks/results/w4a16-ptxas.txt
 set -euo pipefail
@@ -18,20 +18,21 @@ LOG=$(mktemp); trap 'rm -f "$LOG" "$LOG.o"' EXIT
   -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ \
   -D__CUDA_NO_HALF2_OPERATORS__ --expt-relaxed-constexpr -Werror all-warnings "${INC[@]}" -Icsrc/gemm \
   --ptxas-options=-v csrc/gemm/w4a16_mma.cu -o "$LOG.o" > "$LOG" 2>&1
-STAGES=$(sed -n 's/^constexpr int kStages = \([0-9]*\);.*/\1/p' csrc/gemm/w4a16_mma.cu)
-echo "# lqe-w4a16-mma ptxas -v ($("$NVCC" --version | tail -1)), kStages=$STAGES, 128 threads, commit $(git rev-parse --short HEAD 2>/dev/null || echo ?)"
+echo "# lqe-w4a16-mma ptxas -v ($("$NVCC" --version | tail -1)), 128 threads, commit $(git rev-parse --short HEAD 2>/dev/null || echo ?)"
 echo "# command: bash benchmarks/w4a16_ptxas.sh"
-python - "$LOG" "$STAGES" <<'PY'
+echo "# g64: one scale group per 64-row k-tile (group size a power of two >= 64, or channel-wise); stages and dynamic"
+echo "# shared memory from the Smem<BITS, MB, G64> formula (ptxas reports only static shared memory)"
+python - "$LOG" <<'PY'
 import re, sys
-stages = int(sys.argv[2])
 cur = None
-print(f"{'arch':7} {'act':5} {'bits':>4} {'rows':>4} {'regs':>5} {'spill_st':>8} {'spill_ld':>8} {'stack':>5} {'smem_dyn':>9}")
+print(f"{'arch':7} {'act':5} {'bits':>4} {'rows':>4} {'g64':>3} {'stages':>6} {'regs':>5} {'spill_st':>8} {'spill_ld':>8} "
+      f"{'stack':>5} {'smem_dyn':>9}")
 for line in open(sys.argv[1]):
     m = re.search(r"Compiling entry function '(\S+)' for '(sm_\w+)'", line)
     if m and "w4a16_mma_kernel" in m.group(1):
-        t = re.search(r"kernelI(\w+?)Li(\d)ELi(\d)E", m.group(1))
+        t = re.search(r"kernelI(\w+?)Li(\d)ELi(\d)ELb(\d)E", m.group(1))
         cur = {"arch": m.group(2), "act": "bf16" if "bfloat16" in t.group(1) else "fp16", "bits": int(t.group(2)),
-               "mb": int(t.group(3))}
+               "mb": int(t.group(3)), "g64": t.group(4) == "1"}
         continue
     if cur is None:
         continue
@@ -41,8 +42,9 @@ for line in open(sys.argv[1]):
     m = re.search(r"Used (\d+) registers", line)
     if m:
         c = cur
-        smem = stages * (64 * 256 * c["bits"] // 8 + c["mb"] * 16 * 64 * 2 + 2 * 4 * 256 * 2)
-        print(f"{c['arch']:7} {c['act']:5} {c['bits']:>4} {16 * c['mb']:>4} {m.group(1):>5} {c['st']:>8} {c['ld']:>8} "
-              f"{c['stack']:>5} {smem:>9}")
+        stages = 8 if c["bits"] == 4 and c["mb"] == 1 and c["g64"] else 4
+        smem = stages * (64 * 256 * c["bits"] // 8 + c["mb"] * 16 * 64 * 2 + 2 * (1 if c["g64"] else 4) * 256 * 2)
+        print(f"{c['arch']:7} {c['act']:5} {c['bits']:>4} {16 * c['mb']:>4} {int(c['g64']):>3} {stages:>6} "
+              f"{m.group(1):>5} {c['st']:>8} {c['ld']:>8} {c['stack']:>5} {smem:>9}")
         cur = None
 PY

@@ -9,12 +9,13 @@
 //   order is fixed by the stripe plan), adds the bias, rounds once, writes the output and resets the counter.
 //   The H200 measured the earlier chain (each piece waiting for the one above it, then a read-modify-write of
 //   the running sum one L2 round trip after another) at ~17 of the 32 us of a 4096 x 4096 M=1 call.
-// * Memory pipeline. kStages-deep cp.async ring: per stage the block copies one contiguous 8 KB (4-bit) or
-//   16 KB (8-bit) run of repacked weights with an L2 evict-first policy (read once; evict-normal in all but the
-//   last 64-row problem of an M > 64 call, which re-read them), the 64-column slab of the
-//   activation rows (zero-filled past M and K) into XOR-swizzled shared memory, and the scale / zero-point rows
-//   of the groups the stage touches. A warp then takes its A fragments with ldmatrix.x4 (conflict-free: chunk
-//   c of row r lives at chunk c ^ (r & 7)) and its B words with one ld.shared.v4 per 16 x 64 tile.
+// * Memory pipeline. A cp.async ring (Smem::kStages deep: 8 for the memory-bound M <= 16 4-bit kernel with one
+//   scale group per k-tile, else 4): per stage the block copies one contiguous 8 KB (4-bit) or 16 KB (8-bit) run of
+//   repacked weights with an L2 evict-first policy (read once; evict-normal in all but the last 64-row problem of
+//   an M > 64 call, which re-read them), the 64-column slab of the activation rows (zero-filled past M and K) into
+//   XOR-swizzled shared memory, and the scale / zero-point rows of the groups the stage touches (G64: the k-tile's
+//   one group). A warp then takes its A fragments with ldmatrix.x4 (conflict-free: chunk c of row r lives at chunk
+//   c ^ (r & 7)) and its B words with one ld.shared.v4 per 16 x 64 tile.
 // * Dequantization in registers (gemm_common.cuh Dq<T, BITS>): lop3 / magic-number halves (fp16 0x6400,
 //   bf16 0x4300 with the >> 4 two-nibble variant, 8-bit __byte_perm), the magic bias and the zero point removed
 //   in one exact sub / fma, the scale applied in one mul; no shared-memory round trip. mma.sync m16n8k16 with
@@ -29,14 +30,25 @@ namespace lqe {
 namespace {
 
 constexpr int kThreads = 128;  // 4 warps, warp w owns columns [64w, 64w + 64) of the block tile
-constexpr int kStages = 4;     // NEEDS MEASUREMENT: 4..6 (bytes in flight per SM vs shared memory)
-static_assert((kStages & (kStages - 1)) == 0, "the ring slot of stage i is i & (kStages - 1)");
 
-template <int BITS, int MB>
+// G64: every k-tile (64 rows of K) lies in one scale group: the group size is a power of two >= 64, or the weight
+// has one group (channel-wise). One group row per stage, fetched and prepared once per k-tile, with no per-slab
+// group test: a SASS review (sm_90a, ptxas 13.0, bf16 4-bit) counted the 3 mid-k-tile branches each draining the
+// HMMA latency (NOP + BRA, ~85 stall cycles per k-tile) and ~30 instructions of group bookkeeping; with the piece
+// loop and the hoisted activation addresses below, one warp's static schedule per k-tile went 922 -> 649 cycles
+// at MB = 1 and 1560 -> 1128 at MB = 4 (not measured). Other group sizes (32, or not a power of two) keep the
+// per-slab path.
+// Stages: the cp.async ring depth. 8 for the 4-bit MB = 1 (M <= 16) G64 kernel, the memory-bound one: 7 stages of
+// 8 KB of weights in flight per block (3 at 4 stages covered ~1.2k cycles of loaded DRAM latency at the byte
+// floor's rate); 88 KB of shared memory, within every sm_80+ GPU's opt-in (99 KB on sm_86 / sm_89). 4 elsewhere
+// (MB = 4 is bound by the tensor cores). NEEDS MEASUREMENT.
+template <int BITS, int MB, bool G64>
 struct Smem {
+  static constexpr int kStages = BITS == 4 && MB == 1 && G64 ? 8 : 4;
+  static_assert((kStages & (kStages - 1)) == 0, "the ring slot of stage i is i & (kStages - 1)");
   static constexpr int kB = kMmaTileK * kMmaTileN * BITS / 8;  // weight bytes per stage
   static constexpr int kA = MB * 16 * kMmaTileK * 2;           // activation bytes per stage
-  static constexpr int kS = 4 * kMmaTileN * 2;                 // 4 slab slots x 256 scales (16-bit)
+  static constexpr int kS = (G64 ? 1 : 4) * kMmaTileN * 2;     // slab slots (G64: slot 0 only) x 256 scales (16-bit)
   static constexpr int kStage = kB + kA + 2 * kS;              // + as many zero points
   static constexpr int kTotal = kStages * kStage;
 };
@@ -95,10 +107,11 @@ __device__ __forceinline__ void red_release_add(int* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-template <typename T, int BITS, int MB>
+template <typename T, int BITS, int MB, bool G64>
 __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a) {
   using D = Dq<T, BITS>;
-  using SM = Smem<BITS, MB>;
+  using SM = Smem<BITS, MB, G64>;
+  constexpr int kStages = SM::kStages;
   constexpr int V = BITS / 4;  // 16-byte vectors per lane per 16 x 64 tile
   extern __shared__ __align__(16) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g8 = lane >> 2, t4 = lane & 3;
@@ -155,28 +168,45 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
   // (a zero-point address is formed but never used when Z is null; + g * sc_row is one IMAD.WIDE.U32)
   uint64_t sc_src = reinterpret_cast<uint64_t>(sc_zp ? Z : S) + ((uint64_t)nt0 * kMmaTileN + sc_lane * 8) * sizeof(T);
   const uint32_t sc_dst = SM::kB + SM::kA + (sc_zp ? SM::kS : 0) + sc_slot * 512 + sc_lane * 16;
+  // Activation chunks: thread tid copies chunk a_ch of rows a_r0 + 16 i (i < MB) of each stage's 64-column slab; its
+  // source address advances one slab per stage (back to slab 0 at a column tile's end), the row test is made once.
+  const int a_r0 = tid >> 3, a_ch = tid & 7;
+  const uint32_t a_off0 = SM::kB + a_r0 * 128 + ((a_ch ^ (a_r0 & 7)) << 4);  // (row + 16 i keeps r & 7)
+  uint64_t a_src = reinterpret_cast<uint64_t>(A) + ((uint64_t)a_r0 * a.K + (uint64_t)kt0 * kMmaTileK + a_ch * 8) * sizeof(T);
+  const uint64_t a_rowstep = (uint64_t)16 * a.K * sizeof(T);
+  uint32_t a_rows_ok = 0;
+#pragma unroll
+  for (int i = 0; i < MB; ++i) a_rows_ok |= (a_r0 + 16 * i < a.M ? 1u : 0u) << i;
   auto load_stage = [&](int slot) {
     const int kt = load_kt;
-    const uint64_t src = load_b, sc_base = sc_src;
+    const uint64_t src = load_b, sc_base = sc_src, a_cur = a_src;
     if (++load_kt == a.k_tiles) {
       load_kt = 0;
       load_b += b_wrap;
       sc_src += kMmaTileN * sizeof(T);
+      a_src -= (uint64_t)(a.k_tiles - 1) * (kMmaTileK * sizeof(T));
     } else {
       load_b += b_step;
+      a_src += kMmaTileK * sizeof(T);
     }
     const uint32_t dst = smem0 + slot * SM::kStage;
 #pragma unroll
     for (int i = 0; i < SM::kB / 16 / kThreads; ++i)  // chunk c = i * kThreads + tid (w_wr: slot's chunk tid)
       cp16_l2_hint(w_wr + i * kThreads * 16, reinterpret_cast<const void*>(src + i * kThreads * 16), pol);
     w_wr = w_wr == w_last ? w_first : w_wr + SM::kStage;  // stages are loaded in slot order 0, 1, .., kStages - 1, 0
-    const uint32_t adst = dst + SM::kB;
+    const uint32_t adst = dst + a_off0;
+    const bool kok = kt * kMmaTileK + a_ch * 8 < a.K;
 #pragma unroll
-    for (int i = 0; i < MB; ++i) {  // MB*16 rows x 8 chunks of 16 bytes
-      const int c = i * kThreads + tid, r = c >> 3, ch = c & 7;
-      const int kcol = kt * kMmaTileK + ch * 8;
-      const bool ok = r < a.M && kcol < a.K;
-      cp16_zfill(adst + r * 128 + ((ch ^ (r & 7)) << 4), ok ? A + (size_t)r * a.K + kcol : A, ok);
+    for (int i = 0; i < MB; ++i) {  // MB*16 rows x 8 chunks of 16 bytes: rows a_r0 + 16 i, 2048 bytes apart
+      const bool ok = kok && ((a_rows_ok >> i) & 1);
+      cp16_zfill(adst + i * 2048, ok ? reinterpret_cast<const void*>(a_cur + i * a_rowstep) : (const void*)A, ok);
+    }
+    if (G64) {  // slot 0: the k-tile's one group row (warp 0 the scales, warp 1 the zero points)
+      if (sc_slot == 0 && (!sc_zp || has_zp)) {
+        const int g0 = min((kt * kMmaTileK) >> a.gs_shift, a.groups - 1);
+        cp16(dst + sc_dst, reinterpret_cast<const void*>(sc_base + (uint64_t)(uint32_t)g0 * sc_row));
+      }
+      return;
     }
     // Slot s gets its group's row only where slab s opens a new group (slot 0 always): the reader keeps its
     // registers otherwise. g[] = the groups of slabs sc_slot - 1 .. sc_slot + 2 (g[0] unused when sc_slot = 0;
@@ -302,7 +332,11 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
   int nt = nt0, kt = kt0;  // this iteration's tile, advanced at its end
   const int k_lo0 = kt;  // the first piece starts mid-tile; every later one at k = 0
   const int n_it = it1 - it0;  // iteration i is work item it0 + i
-  for (int i = 0; i < n_it; ++i) {
+  // Pieces (a column tile's k-tiles in this stripe) in the outer loop, their k-tiles in the inner one: the piece-end
+  // test and the (kt, nt) update leave the k-tile loop.
+  for (int i = 0; i < n_it; kt = 0, ++nt) {
+   const int i_end = min(n_it, i + a.k_tiles - kt);
+   for (; i < i_end; ++i, ++kt) {
     cp_wait<kStages - 2>();
     __syncthreads();  // stage i landed for every thread; slot (i - 1) % kStages is free
     const uint8_t* st = smem + (i & (kStages - 1)) * SM::kStage;
@@ -348,7 +382,11 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
 #pragma unroll
     for (int s = 0; s < kPre; ++s) fetch(f[s], s);  // slot i is read, slot (i + kStages - 1) % kStages written below
     int g[4];
-    slab_groups(kt * kMmaTileK, g);
+    if (G64) {  // one group for the four slabs: fresh[1..3] are false at compile time
+      g[0] = g[1] = g[2] = g[3] = min((kt * kMmaTileK) >> a.gs_shift, a.groups - 1);
+    } else {
+      slab_groups(kt * kMmaTileK, g);
+    }
     bool fresh[4];  // slab s opens a new group (or a new piece: cur_g = -1): 8 scales (+ zero points) from slot s
     fresh[0] = g[0] != cur_g;
 #pragma unroll
@@ -366,49 +404,50 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
       }
       compute(f[s % kBuf]);
     }
-    if (kt == a.k_tiles - 1 || i == n_it - 1) {
-      finish_piece(nt, it0 > nt * a.k_tiles ? k_lo0 : 0);
+   }
+    finish_piece(nt, it0 > nt * a.k_tiles ? k_lo0 : 0);
 #pragma unroll
-      for (int mi = 0; mi < MB; ++mi)
+    for (int mi = 0; mi < MB; ++mi)
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+      for (int j = 0; j < 8; ++j)
 #pragma unroll
-          for (int c = 0; c < 4; ++c) acc[mi][j][c] = 0.f;
-      cur_g = -1;
-    }
-    if (++kt == a.k_tiles) {
-      kt = 0;
-      ++nt;
-    }
+        for (int c = 0; c < 4; ++c) acc[mi][j][c] = 0.f;
+    cur_g = -1;
   }
   cp_wait<0>();
 }
 
 // The dynamic shared-memory opt-in is a per-device function attribute: set once per device and instantiation, not
 // on every launch (a decode step makes ~200 of them).
-template <typename T, int BITS, int MB>
+template <typename T, int BITS, int MB, bool G64>
 cudaError_t run(const MmaArgs& a, int grid, cudaStream_t st) {
-  constexpr int smem = Smem<BITS, MB>::kTotal;
+  constexpr int smem = Smem<BITS, MB, G64>::kTotal;
   constexpr int kMaxDevices = 64;
   static std::atomic<bool> opted_in[kMaxDevices];
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   if (dev >= kMaxDevices || !opted_in[dev].load(std::memory_order_acquire)) {
-    e = cudaFuncSetAttribute(w4a16_mma_kernel<T, BITS, MB>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    e = cudaFuncSetAttribute(w4a16_mma_kernel<T, BITS, MB, G64>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             smem);
     if (e != cudaSuccess) return e;
     if (dev < kMaxDevices) opted_in[dev].store(true, std::memory_order_release);
   }
-  w4a16_mma_kernel<T, BITS, MB><<<grid, kThreads, smem, st>>>(a);
+  w4a16_mma_kernel<T, BITS, MB, G64><<<grid, kThreads, smem, st>>>(a);
   return cudaGetLastError();
 }
 
 // m16 tiles per launch: the fewest that cover a.M, capped at mb_max (what the device's shared memory holds).
-template <typename T, int BITS>
+template <typename T, int BITS, bool G64>
 cudaError_t run_rows(const MmaArgs& a, int grid, int mb_max, cudaStream_t st) {
-  if (a.M <= 16 || mb_max == 1) return run<T, BITS, 1>(a, grid, st);
-  if (a.M <= 32 || mb_max == 2) return run<T, BITS, 2>(a, grid, st);
-  return run<T, BITS, 4>(a, grid, st);
+  if (a.M <= 16 || mb_max == 1) return run<T, BITS, 1, G64>(a, grid, st);
+  if (a.M <= 32 || mb_max == 2) return run<T, BITS, 2, G64>(a, grid, st);
+  return run<T, BITS, 4, G64>(a, grid, st);
+}
+
+template <typename T, int BITS>
+cudaError_t run_rows(const MmaArgs& a, int grid, int mb_max, bool g64, cudaStream_t st) {
+  return g64 ? run_rows<T, BITS, true>(a, grid, mb_max, st) : run_rows<T, BITS, false>(a, grid, mb_max, st);
 }
 
 // The largest m16-tile count (4, 2 or 1) whose kStages-deep ring fits the device's opt-in shared memory per block:
@@ -419,8 +458,12 @@ int max_row_tiles() {
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
     return 1;
-  if (Smem<BITS, 4>::kTotal <= optin) return 4;
-  return Smem<BITS, 2>::kTotal <= optin ? 2 : 1;
+  // (the per-slab kernels' rings are the larger: what fits for them fits for G64; G64 at MB = 1 takes <= 88 KB)
+  static_assert(Smem<BITS, 4, true>::kTotal <= Smem<BITS, 4, false>::kTotal &&
+                Smem<BITS, 2, true>::kTotal <= Smem<BITS, 2, false>::kTotal && Smem<BITS, 1, true>::kTotal <= 88 * 1024,
+                "row-tile choice");
+  if (Smem<BITS, 4, false>::kTotal <= optin) return 4;
+  return Smem<BITS, 2, false>::kTotal <= optin ? 2 : 1;
 }
 
 // Dense W[K, N] (sorted-K order) from the repack_mma layout, one warp per 16 x 64 warp tile, decoded with the
@@ -529,6 +572,10 @@ const char* launch_w4a16_mma(DType dt, int bits, const void* x, const void* qwei
   int gs_shift = -1;
   for (int b = 0; b < 31; ++b)
     if (group_size == (1 << b)) gs_shift = b;
+  // one scale group per k-tile (see G64): a power-of-two group of >= 64 rows, or a single group (shift 30: every
+  // k-tile's (kt * 64) >> 30 is 0, kt < 2^24)
+  const bool g64 = groups == 1 || gs_shift >= 6;
+  if (groups == 1) gs_shift = 30;
   const size_t esz = 2;  // fp16 / bf16
   const int mb_max = bits == 4 ? max_row_tiles<4>() : max_row_tiles<8>(), rows = 16 * mb_max;
   if (reinterpret_cast<uintptr_t>(x) % 16 != 0) return "x must be 16-byte aligned (cp.async copies 16 bytes)";
@@ -538,10 +585,10 @@ const char* launch_w4a16_mma(DType dt, int bits, const void* x, const void* qwei
               k_tiles, n_tiles, n_pad, group_size, groups, per, gs_shift, m0 + rows >= M};
     cudaError_t e;
     if (dt == DType::kHalf)
-      e = bits == 4 ? run_rows<half, 4>(a, grid, mb_max, stream) : run_rows<half, 8>(a, grid, mb_max, stream);
+      e = bits == 4 ? run_rows<half, 4>(a, grid, mb_max, g64, stream) : run_rows<half, 8>(a, grid, mb_max, g64, stream);
     else
-      e = bits == 4 ? run_rows<__nv_bfloat16, 4>(a, grid, mb_max, stream)
-                    : run_rows<__nv_bfloat16, 8>(a, grid, mb_max, stream);
+      e = bits == 4 ? run_rows<__nv_bfloat16, 4>(a, grid, mb_max, g64, stream)
+                    : run_rows<__nv_bfloat16, 8>(a, grid, mb_max, g64, stream);
     if (e != cudaSuccess) return cudaGetErrorString(e);
   }
   return nullptr;

@@ -106,6 +106,21 @@ def test_long_stripes_every_format(m, sms, kind, dtype):
     assert torch.equal(y, gemm.wna16_gemm(x, p, bias, path="lqe-w4a16-mma", splits=sms))
 
 
+@pytest.mark.parametrize("gs", [96, 192, 2048])
+@pytest.mark.parametrize("m", [1, 24, 64])
+def test_group_sizes_off_the_power_of_two_path(m, gs):
+    """Group sizes the kernel's one-group-per-k-tile path (G64: a power of two >= 64, or one group) does not take:
+    96 and 192 (192 is a multiple of 64 but no power of two: the per-slab path, its group by division; K % g != 0),
+    and 2048 > K (one group, the G64 path with its large shift), over long stripes."""
+    k, n = 1024, 768
+    cw = canonical(k, n, 4, gs, True, False, seed=gs)
+    p = packed_on_gpu(cw, torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    for sms in (1, 5):
+        y = gemm.wna16_gemm(x, p, path="lqe-w4a16-mma", splits=sms)
+        check(y, reference(x, p, None), k)
+
+
 def test_unaligned_activation_view():
     """A view at an odd element offset (not 16-byte aligned) gives the aligned result."""
     cw = canonical(512, 256, 4, 128, True, False, seed=5)
