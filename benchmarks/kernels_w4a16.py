@@ -14,7 +14,9 @@ import torch
 
 MMA_ROWS = ("lqe-w4a16-mma", "lqe-w4a16-mma-dequant+cublas")
 FUSED_SPLIT_ROWS = {"lqe-w4a16-fused-t2": 2, "lqe-w4a16-fused-t8": 8}  # timed at M <= 16 only
-MMA_2CTA_ROW = "lqe-w4a16-mma-2cta"  # not a table name: gemm_mma.mma_gemm's sms (stripes) at 2 x the SM count
+# not a table name: gemm_mma.mma_gemm's sms (stripes) at 2 x the SM count. Two blocks share an SM only where their
+# shared memory fits: the 8-stage M <= 16 kernel takes 88 KB (two fit an H100 / H200's 227 KB, not an A100's 164)
+MMA_2CTA_ROW = "lqe-w4a16-mma-2cta"
 
 
 def _canonical(k: int, n: int, dev: str):

@@ -172,10 +172,11 @@ def test_swapped_8bit_gemms_run_hopper_wgmma(m):
     def check(name, ptx):
         assert "wgmma.mma_async" in ptx and "cvt.rn.f16x2.e4m3x2" not in ptx, name
 
-    assert _compile_all(lambda: tf.fp8_mm(xq, sa, w, sw, config=tf.Fp8Config(16, 64, 128, 4, 4, 0, swap_ab=True)),
-                        check) == ["_fp8_mm_kernel"]
-    cfg = tg.GemvConfig(64, 128, use_dot=True, swap_ab=True)
-    assert _compile_all(lambda: tg.gemv_w8a8(xq, sa, w, sw, config=cfg), check) == ["_gemv_kernel"]
+    for precise in (True, False):  # fp32 promotion every BLOCK_K or Hopper's own fp8 accumulation
+        cfg8 = tf.Fp8Config(16, 64, 128, 4, 4, 0, swap_ab=True, precise_acc=precise)
+        assert _compile_all(lambda: tf.fp8_mm(xq, sa, w, sw, config=cfg8), check) == ["_fp8_mm_kernel"]
+        cfg = tg.GemvConfig(64, 128, use_dot=True, swap_ab=True, precise_acc=precise)
+        assert _compile_all(lambda: tg.gemv_w8a8(xq, sa, w, sw, config=cfg), check) == ["_gemv_kernel"]
     xi, wi = torch.randint(-127, 128, (m, k), dtype=torch.int8), torch.randint(-127, 128, (n, k), dtype=torch.int8)
     assert _compile_all(lambda: tg.gemv_w8a8(xi, sa, wi, sw, config=cfg), check) == ["_gemv_kernel"]
 

@@ -25,7 +25,7 @@ SCRIPT = """
     check(18, 136, 384, C(16, 32, 128, split_k=2), block=True, dt=torch.float16)
     # the swapped GEMM (out^T = W x^T; per-channel only, a block-scaled launch ignores it): ragged N / K, split-K
     check(5, 72, 200, C(16, 64, 64, split_k=2, swap_ab=True), dt=torch.float16)
-    check(16, 136, 256, C(16, 64, 128, split_k=1, swap_ab=True))
+    check(16, 136, 256, C(16, 64, 128, split_k=1, swap_ab=True, precise_acc=False))
     check(5, 136, 256, C(16, 64, 128, split_k=2, swap_ab=True), block=True)
     # the pipelined split-K reduction (red_stages > 0: 16 x 64 x 9 partials exceed the unrolled budget)
     check(7, 72, 570, C(16, 64, 64, split_k=9))  # 9 K blocks (a ragged last one): 9 splits

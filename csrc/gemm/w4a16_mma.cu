@@ -35,7 +35,7 @@ constexpr int kThreads = 128;  // 4 warps, warp w owns columns [64w, 64w + 64) o
 // has one group (channel-wise). One group row per stage, fetched and prepared once per k-tile, with no per-slab
 // group test: a SASS review (sm_90a, ptxas 13.0, bf16 4-bit) counted the 3 mid-k-tile branches each draining the
 // HMMA latency (NOP + BRA, ~85 stall cycles per k-tile) and ~30 instructions of group bookkeeping; with the piece
-// loop and the hoisted activation addresses below, one warp's static schedule per k-tile went 922 -> 649 cycles
+// loop and the hoisted activation addresses below, one warp's static schedule per k-tile went 922 -> 641 cycles
 // at MB = 1 and 1560 -> 1128 at MB = 4 (not measured). Other group sizes (32, or not a power of two) keep the
 // per-slab path.
 // Stages: the cp.async ring depth. 8 for the 4-bit MB = 1 (M <= 16) G64 kernel, the memory-bound one: 7 stages of

@@ -56,7 +56,7 @@ WNA16_SWAP_TABLE: list[tuple[int | None, str]] = [
 # loop bound by instruction issue. Above M = 64 each 64-row problem is a launch of its own (M=256: 0.08x), so the
 # crossover is 64 until one launch serves them. Since then (not measured): the reduction is one slot per piece; a
 # k-tile's one scale group fetched once (group sizes 2^n >= 64, channel-wise), the piece loop and hoisted addresses
-# (one warp's static schedule per k-tile 922 -> 649 cycles at M <= 16, 1560 -> 1128 at 64; a single warp per SM
+# (one warp's static schedule per k-tile 922 -> 641 cycles at M <= 16, 1560 -> 1128 at 64; a single warp per SM
 # sub-partition, so latency-bound: the "-2cta" row runs two blocks per SM); an 8-stage ring at M <= 16.
 WNA16_MMA_TABLE: list[tuple[int | None, str]] = [
     (64, "lqe-w4a16-mma"),

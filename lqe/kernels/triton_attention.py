@@ -301,8 +301,8 @@ def _v_asm(kv_cache: torch.Tensor, dtype: torch.dtype, quant: bool, head_dim: in
     16-byte runs, ``head_dim % 16 == 0``): 1 by inline PTX, 2 by the same layout from Triton ops (the interpreter),
     0 by ``.to()`` (a 16-bit cache, a float32 model's fp32 dots)."""
     if (not quant or dtype == torch.float32 or head_dim % 16 or kv_cache.stride(-1) != 1
-            or kv_cache.data_ptr() % 16):
-        return 0
+            or kv_cache.data_ptr() % 16 or any(s % 16 for s in kv_cache.stride()[:-1])):
+        return 0  # (the int32 view needs strides in whole words; the kernel's 16-byte vectors, whole 16-byte runs)
     return 2 if _INTERPRET else 1
 
 

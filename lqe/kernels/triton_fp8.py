@@ -52,14 +52,19 @@ class Fp8Config:
     split_k: int = 1  # 0 = from the SM count
     group_m: int = 8
     # out^T = W x^T (per-channel scales only): the weight tile is wgmma's M operand (BLOCK_N >= 64 with 4 warps), the
-    # tokens its N, so BLOCK_M = 16 runs native fp8 wgmma with no fp16 upcast (sm_90, Triton 3.6: 139 -> 84 SASS
-    # instructions per 8 KB K block at M = 16, no F2FP; a SASS review). Accumulation is promoted to fp32 every
-    # BLOCK_K (max_num_imprecise_acc): the fp16 mma.sync path it replaces accumulates exactly. NOT MEASURED.
+    # tokens its N, so BLOCK_M = 16 runs native fp8 wgmma with no fp16 upcast (sm_90, Triton 3.6: 139 -> 75 SASS
+    # instructions per 8 KB K block at M = 16, no F2FP; a SASS review). NOT MEASURED.
     swap_ab: bool = False
+    # swap_ab: promote the fp8 wgmma sums to fp32 every BLOCK_K (max_num_imprecise_acc = BLOCK_K; +8 FADD per block).
+    # Hopper's fp8 wgmma accumulates with fewer bits than fp32 (the M >= 64 tiles take that as it is); the fp16
+    # mma.sync path of BLOCK_M = 16 sums exactly. Promoting serializes the K steps: Triton 3.6 adds the partial
+    # sums before it waits for the wgmma, and ptxas inserts the wait itself (warning C7517; a review). The sweep
+    # times both.
+    precise_acc: bool = True
 
     def __str__(self) -> str:
         sk = "auto" if self.split_k == 0 else self.split_k
-        sw = "-swap" if self.swap_ab else ""
+        sw = ("-swap" if self.precise_acc else "-swap-fast") if self.swap_ab else ""
         return f"m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}sk{sk}{sw}"
 
 
@@ -95,6 +100,7 @@ def sweep_configs(m: int) -> list[Fp8Config]:
                         out.append(Fp8Config(bm, bn, bk, nw, st, 0 if m <= 64 else 1))
                         if bm == 16 and bn >= 64 and nw == 4:  # the swapped GEMM (fp8 wgmma at 16 tokens)
                             out.append(Fp8Config(bm, bn, bk, nw, st, 0, swap_ab=True))
+                            out.append(Fp8Config(bm, bn, bk, nw, st, 0, swap_ab=True, precise_acc=False))
     return out
 
 
@@ -116,7 +122,8 @@ def resolve(cfg: Fp8Config, m: int, n: int, k: int, device: torch.device | None)
 
 # ------------------------------------------------------------------------------------------------ workspace
 WS_ROWS = 512  # split_k * M_pad rows of fp32 partials per output column
-_WS = SplitKWorkspace("triton-fp8", "lqe.kernels.triton_fp8", torch.float32)
+# zeroed: the split-K sums read the padding rows of a tile (rows >= M), which no split writes (they are dropped)
+_WS = SplitKWorkspace("triton-fp8", "lqe.kernels.triton_fp8", torch.float32, zeroed=True)
 
 
 def reserve_workspace(device: torch.device | str, n: int) -> None:
@@ -142,7 +149,7 @@ if triton is not None:
                        stride_am, stride_bn, stride_om, a_scale_stride, stride_sam, stride_swn,
                        HAS_BIAS: tl.constexpr, BLOCK_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
-                       EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, RED_STAGES: tl.constexpr):
+                       EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, PROMOTE: tl.constexpr, RED_STAGES: tl.constexpr):
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m, pid_n, num_pid_m, num_pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -155,7 +162,7 @@ if triton is not None:
         for kb in range(kb0, kb1):
             a, b = load_ab(a_ptrs, b_ptrs, kb, rk, K, BLOCK_K, EVEN_K)
             if SWAP_AB:  # out^T = W x^T: both operands K-major in shared memory, as wgmma takes them
-                acc_t = tl.dot(tl.trans(b), tl.trans(a), acc_t, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
+                acc_t = tl.dot(tl.trans(b), tl.trans(a), acc_t, out_dtype=tl.float32, max_num_imprecise_acc=PROMOTE)
             elif BLOCK_SCALE == 0:
                 acc = tl.dot(a, b, acc, out_dtype=tl.float32)
             else:  # BLOCK_K == BLOCK_SCALE: one activation group / weight block column per step
@@ -172,8 +179,9 @@ if triton is not None:
                           bias_ptr, HAS_BIAS, BLOCK_SCALE)
         else:
             m_pad = num_pid_m * BLOCK_M
-            # padding rows (rm >= M) are never stored; the sums read them back as whatever the workspace holds, and
-            # the epilogue drops them (a row mask on those loads cost 13 registers at 64 x 64, split 5)
+            # padding rows (rm >= M) are never stored; the sums read them back as whatever the workspace holds (zeroed
+            # at allocation), and the epilogue drops them (a row mask on those loads cost 13 registers at 64 x 64,
+            # split 5)
             mask = (rn < N)[None, :]
             tl.store(ws_ptr + (pid_k * m_pad + rm)[:, None] * N + rn[None, :], acc, mask=mask & (rm < M)[:, None])
             tl.debug_barrier()
@@ -234,6 +242,7 @@ def fp8_mm(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: to
         out.stride(0), sa_stride, stride_sam, stride_swn, HAS_BIAS=bias is not None, BLOCK_SCALE=SCALE_BLOCK if block_scale else 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, GROUP_M=cfg.group_m,
         EVEN_K=k % cfg.block_k == 0, SWAP_AB=cfg.swap_ab and not block_scale,
+        PROMOTE=cfg.block_k if cfg.precise_acc else None,
         RED_STAGES=red_stages(cfg, split_k), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 

@@ -68,12 +68,14 @@ class GemvConfig:
     # use_dot only: out^T = W x^T, the weight tile wgmma's M operand (BLOCK_N >= 64) and the 16 token rows its N, so
     # fp8 runs native fp8 wgmma (no fp16 upcast: one F2FP per weight byte and per activation byte in every warp
     # before, 240 -> 70 SASS instructions per 8 KB at BLOCK_K = 128; int8 IGMMA) on sm_90 (a SASS review, Triton
-    # 3.6; NOT MEASURED). fp8 accumulation is promoted to fp32 every BLOCK_K (max_num_imprecise_acc).
+    # 3.6; NOT MEASURED).
     swap_ab: bool = False
+    precise_acc: bool = True  # fp8 swap_ab: promote to fp32 every BLOCK_K (as triton_fp8.Fp8Config.precise_acc)
 
     def __str__(self) -> str:
         sk = "auto" if self.split_k == 0 else self.split_k
-        path = ("dot-swap" if self.swap_ab else "dot") if self.use_dot else "fma" if not self.dp4a else "fma-dp4a"
+        swap = "dot-swap" if self.precise_acc else "dot-swap-fast"
+        path = (swap if self.swap_ab else "dot") if self.use_dot else "fma" if not self.dp4a else "fma-dp4a"
         return f"{path}-n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}sk{sk}"
 
 
@@ -127,6 +129,7 @@ def sweep_configs(m: int) -> list[GemvConfig]:
                         out.append(GemvConfig(bn, bk, True, sk, 4, 3))
                     for st in (3, 5):
                         out.append(GemvConfig(bn, bk, True, 0, 4, st, swap_ab=True))
+                        out.append(GemvConfig(bn, bk, True, 0, 4, st, swap_ab=True, precise_acc=False))
     return out
 
 
@@ -187,7 +190,7 @@ if triton is not None:
                      HAS_AZP: tl.constexpr, HAS_BIAS: tl.constexpr, IS_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
                      EVEN_K: tl.constexpr, DP4A: tl.constexpr, DP4A_ASM: tl.constexpr, K_STAGES: tl.constexpr,
-                     SWAP_AB: tl.constexpr):
+                     SWAP_AB: tl.constexpr, PROMOTE: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -235,17 +238,7 @@ if triton is not None:
                     x = tl.load(x_ptrs)
                 else:
                     x = tl.load(x_ptrs, mask=kmask[None, :], other=0.0)
-                if USE_DOT and SWAP_AB:  # weight tile [BLOCK_N, BLOCK_K] as wgmma's M operand, x^T its B
-                    w_ptrs = w_ptr + rwn[:, None] * stride_wn + (kb * BLOCK_K + rk)[None, :]
-                    if EVEN_K:
-                        w = tl.load(w_ptrs)
-                    else:
-                        w = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
-                    if IS_FP8:
-                        acc_t = tl.dot(w, tl.trans(x), acc_t, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
-                    else:
-                        acc_t = tl.dot(w, tl.trans(x), acc_t, out_dtype=tl.int32)
-                elif USE_DOT:  # weight tile as the K-major B operand [BLOCK_K, BLOCK_N]
+                if USE_DOT and not SWAP_AB:  # weight tile as the K-major B operand [BLOCK_K, BLOCK_N]
                     w_ptrs = w_ptr + rwn[None, :] * stride_wn + (kb * BLOCK_K + rk)[:, None]
                     if EVEN_K:
                         w = tl.load(w_ptrs)
@@ -255,12 +248,18 @@ if triton is not None:
                         acc = tl.dot(x, w, acc, out_dtype=tl.float32)
                     else:
                         acc = tl.dot(x, w, acc, out_dtype=tl.int32)
-                else:  # [BLOCK_N, BLOCK_K] along contiguous K, multiply-reduce on the CUDA cores
+                else:  # the weight tile [BLOCK_N, BLOCK_K] along contiguous K
                     w_ptrs = w_ptr + rwn[:, None] * stride_wn + (kb * BLOCK_K + rk)[None, :]
                     if EVEN_K:
                         w = tl.load(w_ptrs)
                     else:
                         w = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
+                if USE_DOT and SWAP_AB:  # as wgmma's M operand, x^T its B
+                    if IS_FP8:
+                        acc_t = tl.dot(w, tl.trans(x), acc_t, out_dtype=tl.float32, max_num_imprecise_acc=PROMOTE)
+                    else:
+                        acc_t = tl.dot(w, tl.trans(x), acc_t, out_dtype=tl.int32)
+                elif not USE_DOT:  # multiply-reduce on the CUDA cores
                     # fp32 FMAs (twice the int32 rate): int8 products are integers <= 2^14 and a BLOCK_K <= 1024 sum
                     # stays <= 2^24, so the block sum is exact in fp32 whatever the order; int32 across blocks
                     if IS_FP8:
@@ -358,7 +357,7 @@ def gemv_w8a8(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale:
         sa_stride, zp_stride, HAS_AZP=zp is not None, HAS_BIAS=bias is not None, IS_FP8=fp8, BLOCK_M=bm,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, USE_DOT=cfg.use_dot,
         EVEN_K=k % cfg.block_k == 0, DP4A=dp4a, DP4A_ASM=not _INTERPRET, K_STAGES=cfg.num_stages,
-        SWAP_AB=cfg.use_dot and cfg.swap_ab, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SWAP_AB=cfg.use_dot and cfg.swap_ab, PROMOTE=cfg.block_k if cfg.precise_acc else None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

@@ -173,3 +173,5 @@ def test_gemv_swapped_tensor_core_path(m, shape):
     check_gemv(m, n, k, cfg, "int8", sym=False, bias=False, dt=torch.float16)
     if fp8_ok():
         check_gemv(m, n, k, cfg, "fp8", dt=torch.bfloat16)
+        check_gemv(m, n, k, tg.GemvConfig(64, 128, use_dot=True, swap_ab=True, precise_acc=False), "fp8",
+                   dt=torch.bfloat16)

@@ -118,7 +118,7 @@ def test_fp8_mm_swapped(m, shape):
     from lqe.kernels import triton_fp8 as tf
 
     k, n = shape
-    for sk in (0, 1):
-        cfg = tf.Fp8Config(16, 64, 128, 4, 4, sk, swap_ab=True)
+    for sk, precise in ((0, True), (1, True), (0, False)):
+        cfg = tf.Fp8Config(16, 64, 128, 4, 4, sk, swap_ab=True, precise_acc=precise)
         check_fp8_mm(m, n, k, cfg, block=False)
     check_fp8_mm(m, n, k, tf.Fp8Config(16, 64, 128, 4, 4, 0, swap_ab=True), block=True, bias=False)
