@@ -24,6 +24,10 @@ SCRIPT = """
     E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
     # prefill over a cached prefix + padding rows, GQA 4:2, e4m3 with a saturating outlier, fp32 queries
     A.check_attention_fp8([(5, 0), (19, 40), (2, 3)], 4, 2, 32, torch.float32, "cpu", E4M3, pad_tokens=2)
+    # prefill over a cached prefix with fp16 queries (a 16-bit model's fp16 dots: q pre-scaled, K / V widened
+    # to fp16), e4m3 and e5m2
+    A.check_attention_fp8([(5, 0), (19, 40)], 4, 2, 32, torch.float16, "cpu", E4M3)
+    A.check_attention_fp8([(7, 9)], 4, 4, 32, torch.float16, "cpu", E5M2)
     # decode with split-K (and an empty sequence), e5m2, fp16 queries
     A.check_attention_fp8([(1, 150), (1, 0), (1, 37)], 4, 2, 32, torch.float16, "cpu", E5M2, num_splits=3)
     # mixed decode + prefill rows, bf16 queries, odd block size

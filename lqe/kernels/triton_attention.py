@@ -99,6 +99,24 @@ def _v_tile_f16(KVW, rows, n_mask, stride_kv, HEAD_DIM: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
+def _fp8_cache_query(q, scale_log2, KScale, DOT_F32: tl.constexpr):
+    """(q, qk_scale) for attention over an fp8 cache. A float32 model (or the interpreter's ``DOT_F32``) keeps exact
+    fp32 dots, k_scale folded into the score scale. A 16-bit model's dots run in fp16: K / V widen to fp16 exactly
+    with one conversion per pair (e4m3 and e5m2 fit fp16), where widening to bf16 went through fp16 one element at
+    a time (SASS on sm_90: 2 conversions and a byte permute per element; the decode kernel issue-bound at 891
+    instructions per 64-key tile, 706 this way; prefill 647 -> 498 per tile, bf16 KV 544); q takes both
+    scales in fp32 and is rounded once to fp16 (3 more mantissa bits than bf16; clamped so an outlier cannot
+    become inf), p is rounded to fp16 for the PV dot."""
+    if DOT_F32 or q.dtype == tl.float32:
+        qk_scale = scale_log2 * tl.load(KScale)
+        qs = q
+    else:
+        qs = tl.clamp(q.to(tl.float32) * (scale_log2 * tl.load(KScale)), -65504.0, 65504.0).to(tl.float16)
+        qk_scale = 1.0
+    return qs, qk_scale
+
+
+@triton.jit
 def _softmax_step(q, k, v, keep, qk_scale, m_i, l_i, acc, PRECISION: tl.constexpr):
     """One K/V tile of the online softmax in base 2: the scores where ``keep`` (else -inf), then the running max
     ``m_i``, sum ``l_i`` and output ``acc`` rescaled and updated."""
@@ -155,8 +173,8 @@ def _prefill_kernel(Q, KV, Out, BlockTables, QueryStart, SeqLens, Tiles, KScale,
         q = q.to(tl.float32)
     q_pos = ctx_len + tok
     qk_scale = scale_log2
-    if QUANT:  # dequantization folded into the scores (k_scale) and the output (v_scale), in fp32
-        qk_scale = scale_log2 * tl.load(KScale)
+    if QUANT:  # dequantization folded into the scores (k_scale) and the output (v_scale)
+        q, qk_scale = _fp8_cache_query(q, scale_log2, KScale, DOT_F32)
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite, so fully masked rows never give inf - inf
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -209,16 +227,7 @@ def _decode_kernel(Q, KV, KVW, Out, PartOut, PartLse, BlockTables, QueryStart, S
         q = q.to(tl.float32)
     qk_scale = scale_log2
     if QUANT:  # dequantization folded into the scores (k_scale) and the output (v_scale)
-        if DOT_F32 or q.dtype == tl.float32:  # (a float32 model keeps exact fp32 dots)
-            qk_scale = scale_log2 * tl.load(KScale)
-        else:
-            # fp16 dots on an fp8 cache: K / V widen to fp16 exactly with one conversion per pair (e4m3 and e5m2
-            # fit fp16), where widening to bf16 went through fp16 one element at a time (SASS on sm_90: 2
-            # conversions and a byte permute per element, the kernel issue-bound at 891 instructions per 64-key
-            # tile, 706 this way); q takes both scales in fp32 and is rounded once to fp16 (3 more mantissa bits than
-            # bf16; clamped so an outlier cannot become inf), p is rounded to fp16 for the PV dot
-            q = tl.clamp(q.to(tl.float32) * (scale_log2 * tl.load(KScale)), -65504.0, 65504.0).to(tl.float16)
-            qk_scale = 1.0
+        q, qk_scale = _fp8_cache_query(q, scale_log2, KScale, DOT_F32)
 
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
