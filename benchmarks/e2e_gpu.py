@@ -2,7 +2,8 @@
 
 Variants: ``bf16``; ``w4a16`` (GPTQ W4 g128 on ``dispatch.WNA16_TABLE``) and ``w4a16-mma`` (the same checkpoint on
 ``dispatch.WNA16_MMA_TABLE``: the lqe-w4a16-mma GEMM, issue 24), ``w4a16-swap`` (the same on ``WNA16_SWAP_TABLE``: the
-swapped-operand Triton GEMM); ``w8a8`` (a converted W8A8 checkpoint),
+swapped-operand Triton GEMM), ``w4a16-ring`` (the same on ``WNA16_RING_TABLE``: the CUDA GEMV's cp.async ring at
+M <= 16); ``w8a8`` (a converted W8A8 checkpoint),
 ``w8a8-online`` and ``fp8`` (the bf16 checkpoint quantized at load time, issue 25).
 
 Per (model shape, variant) it measures, through the public API (``LLM.generate`` on token-id prompts, greedy,
@@ -92,12 +93,13 @@ SHAPES = {  # HF config fields of the real models; weights are random
                                    num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0,
                                    max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True)),
 }
-VARIANTS = {"bf16": None, "w4a16": "gptq", "w4a16-mma": "gptq", "w4a16-swap": "gptq", "w8a8": "w8a8", "w8a8-online": "online:int8",
+VARIANTS = {"bf16": None, "w4a16": "gptq", "w4a16-mma": "gptq", "w4a16-swap": "gptq", "w4a16-ring": "gptq", "w8a8": "w8a8", "w8a8-online": "online:int8",
             "fp8": "online:fp8"}  # variant -> tools.convert --format
 # ("online:<kind>": the bf16 checkpoint loaded with quantization=<kind>: per-channel weights, dynamic per-token
 # activations, quantized at load time; issue 25)
 # the w4a16 checkpoint on a candidate table (issue 24): dispatch.WNA16_MMA_TABLE / WNA16_SWAP_TABLE
-VARIANT_ENV = {"w4a16-mma": {"LQE_WNA16_TABLE": "mma"}, "w4a16-swap": {"LQE_WNA16_TABLE": "swap"}}
+VARIANT_ENV = {"w4a16-mma": {"LQE_WNA16_TABLE": "mma"}, "w4a16-swap": {"LQE_WNA16_TABLE": "swap"},
+               "w4a16-ring": {"LQE_WNA16_TABLE": "ring"}}
 MAX_MODEL_LEN = 2048 + 64
 SHARD_BYTES = 4 << 30
 
@@ -541,7 +543,7 @@ def check_table_honoured(kernels: str) -> None:
     kernel's numbers under its name. Raise, naming what the layers run (``kernels``: the engine's
     quant_description)."""
     table = os.environ.get("LQE_WNA16_TABLE", "")
-    want = {"mma": "lqe-w4a16-mma (", "swap": "triton-wna16-swap"}.get(table)
+    want = {"mma": "lqe-w4a16-mma (", "swap": "triton-wna16-swap", "ring": "lqe-wna16-ring"}.get(table)
     if want and want not in kernels:
         raise RuntimeError(f"LQE_WNA16_TABLE={table}: no layer runs {want.rstrip(' (')}; the layers run: "
                            f"{kernels[:400]}")

@@ -197,6 +197,9 @@ def test_e2e_gpu_variant_env_is_scoped(monkeypatch):
     with e2e_gpu.variant_env("w4a16-swap"):
         assert gemm.active_table() is dispatch.WNA16_SWAP_TABLE
     assert e2e_gpu.VARIANTS["w4a16-swap"] == "gptq"
+    with e2e_gpu.variant_env("w4a16-ring"):
+        assert gemm.active_table() is dispatch.WNA16_RING_TABLE
+    assert e2e_gpu.VARIANTS["w4a16-ring"] == "gptq"
     monkeypatch.setenv("LQE_WNA16_TABLE", "fastest")
     with pytest.raises(ValueError, match="'mma'.*'swap'"):
         gemm.active_table()

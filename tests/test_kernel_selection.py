@@ -134,7 +134,8 @@ def force_cuda_selection(monkeypatch):
 class FakeExt:
     """The CUDA extension's four entry points, computed with lqe.kernels.gemm_ref on CPU."""
 
-    def wna16_gemm(self, x, qweight, scales, zeros, bias, out, bits, group_size, slabs_per_split, counters):
+    def wna16_gemm(self, x, qweight, scales, zeros, bias, out, bits, group_size, slabs_per_split, counters,
+                   ring=False):  # (ring: the same results, another way to stream the weights)
         p = repack.PackedWNA16(qweight, scales, zeros, None, bits, group_size, x.shape[1], out.shape[1])
         out.copy_(gemm_ref.wna16_gemm_ref(x, p, bias))
         return out

@@ -49,6 +49,14 @@ def test_implied_w4a16_tables_are_one_per_weight_layout():
     for label in ("WNA16_TABLE", "WNA16_MMA_TABLE"):  # every name is one the dispatch code runs
         assert all(name in gemm._COUNTERPART for _, name in t[label]), t[label]
         assert getattr(dispatch, label)[-1][0] is None
+    for table in (dispatch.WNA16_SWAP_TABLE, dispatch.WNA16_RING_TABLE):
+        assert all(name in gemm._COUNTERPART for _, name in table) and table[-1][0] is None, table
+    # the CUDA GEMV's ring row (timed at M <= 16 only) under its dispatch name where it is the fastest
+    rows = [{"kernel": k, "shape": "4096x4096", "m": m, "speedup_vs_cublas": v}
+            for m, speeds in ((1, {"lqe-w4a16-fused": 1.3, "lqe-w4a16-fused-ring": 2.4, "triton-wna16": 0.9}),
+                              (64, {"triton-wna16": 0.9, "lqe-w4a16-dequant": 0.5}))
+            for k, v in speeds.items()]
+    assert kw8.implied_tables(rows)["WNA16_TABLE"] == [(1, "lqe-wna16-ring"), (None, "triton-wna16")]
 
 
 def test_floor_is_bytes_or_flops_whichever_is_larger():
@@ -221,14 +229,16 @@ def test_w4a16_rows_time_their_own_layout_whatever_the_table(w4a16_on_cpu):
             "lqe-w4a16-mma": ("lqe-w4a16-mma", "PackedMMA"),
             "lqe-w4a16-mma-dequant+cublas": ("lqe-w4a16-mma-dequant+cublas", "PackedMMA"),
             "lqe-w4a16-mma-2cta": ("lqe-w4a16-mma", "PackedMMA"),
-            "lqe-w4a16-fused-t2": ("fused", "PackedWNA16"), "lqe-w4a16-fused-t8": ("fused", "PackedWNA16")}
+            "lqe-w4a16-fused-t2": ("fused", "PackedWNA16"), "lqe-w4a16-fused-t8": ("fused", "PackedWNA16"),
+            "lqe-w4a16-fused-ring": ("ring", "PackedWNA16")}
     out = {}
     kb.add_w4a16_rows(out, 256, 128, dev="cpu")
-    assert _layouts(out, calls) == {nm: v for nm, v in want.items() if nm not in k4.FUSED_SPLIT_ROWS}
+    assert _layouts(out, calls) == {nm: v for nm, v in want.items()
+                                    if nm not in k4.FUSED_SPLIT_ROWS and nm != k4.FUSED_RING_ROW}
     out = k4.w4a16_candidates(256, 128, kb.rotating, kb.cycler, dev="cpu")
     assert _layouts(out, calls) == {nm: v for nm, v in want.items() if nm in out}
     assert {"lqe-w4a16", "lqe-w4a16-dequant", "triton-wna16", "triton-wna16-swap", "lqe-w4a16-mma",
-            "triton-dequant-l2+cublas", "lqe-w4a16-mma-2cta", *k4.FUSED_SPLIT_ROWS} <= set(out)
+            "triton-dequant-l2+cublas", "lqe-w4a16-mma-2cta", *k4.FUSED_SPLIT_ROWS, k4.FUSED_RING_ROW} <= set(out)
 
 
 def test_a_rows_run_keeps_the_other_rows_of_the_file(tmp_path):

@@ -33,6 +33,14 @@ __device__ __forceinline__ uint4 ld_stream_v4(const uint4* p) {
 }
 
 __device__ __forceinline__ uint32_t ld_u32(const void* p) { return __ldg(reinterpret_cast<const uint32_t*>(p)); }
+// cp.async of 16 bytes to a shared-memory address, commit / wait by commit-group count (not a scoreboard shared with
+// other loads)
+__device__ __forceinline__ void cp_async16_s(uint32_t s, const void* g) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(g));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
 template <int LUT>
 __device__ __forceinline__ uint32_t lop3(uint32_t a, uint32_t b, uint32_t c) {

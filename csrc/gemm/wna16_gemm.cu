@@ -9,9 +9,18 @@
 namespace lqe {
 namespace {
 
-constexpr int kUnroll = 4;  // K slabs of 16 in flight per warp (K % 64 == 0)
+constexpr int kUnroll = 4;  // K slabs of 16 per batch (K % 64 == 0)
+// RING (M <= 16): each warp streams its weights through a cp.async ring in shared memory, kRingStages batches of
+// kUnroll slabs (2 KB per warp for 4-bit; 8-bit: 2 stages of 4 KB, the same 32 KB per block). A SASS review
+// (sm_90a, ptxas 13.0) found the register double buffer of the default path not working: every weight and
+// activation load writes one scoreboard and ptxas waits for it to drain, so a batch's first use also waits for the
+// batch just issued, and each warp has one 2 KB batch in flight (32 KB per SM against the ~36-55 KB a DRAM latency
+// needs at the copy rate; predicted 35-52 % of the bandwidth, measured 35-45 % on the H200). The ring waits by
+// commit-group count: 3 batches (6 KB) per warp stay in flight. Same arithmetic as the default path, bit-identical
+// outputs. NOT MEASURED: the candidate kernel name "lqe-wna16-ring" (dispatch.WNA16_RING_TABLE).
+constexpr int kRingStages = 4;
 
-template <typename T, int BITS, int MT, bool HAS_ZP>
+template <typename T, int BITS, int MT, bool HAS_ZP, bool RING>
 __global__ void __launch_bounds__(kWna16Threads) wna16_gemm_kernel(
     const T* __restrict__ A, const uint4* __restrict__ B, const T* __restrict__ S, const T* __restrict__ Z,
     const T* __restrict__ bias, T* __restrict__ C, float* __restrict__ ws, int* __restrict__ counters, int M,
@@ -108,7 +117,51 @@ __global__ void __launch_bounds__(kWna16Threads) wna16_gemm_kernel(
         }
       }
     };
-    if constexpr (MT == 1) {
+    if constexpr (MT == 1 && RING) {
+      // Each lane copies its own 16 bytes per slab and reads them back itself, so cp.async.wait_group is the only
+      // synchronization (no barrier). Batch b lives in slot b % NS; NS - 1 batches are in flight while one is
+      // computed, and the slot refilled is the one the previous batch was read from (into registers) before.
+      constexpr int NS = BITS == 4 ? kRingStages : kRingStages / 2;
+      __shared__ __align__(16) uint4 ring[kWna16Threads / 32][NS][kUnroll * V4][32];
+      const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(&ring[warp][0][0][lane]));
+      const uint4* gp = bp;  // the next batch to issue
+      int ks_issue = ks0;
+      auto issue = [&](int st) {  // (an empty commit group past the split keeps the count)
+        if (ks_issue < ks1) {
+          prefetch_groups(ks_issue);
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+            for (int v = 0; v < V4; ++v)
+              cp_async16_s(sbase + (uint32_t)(((st * kUnroll + u) * V4 + v) * 32 * 16), gp + (size_t)u * bstride + v);
+          gp += (size_t)kUnroll * bstride;
+        }
+        ks_issue += kUnroll;
+        cp_async_commit();
+      };
+#pragma unroll
+      for (int st = 0; st < NS - 1; ++st) issue(st);
+      uint32_t w[kUnroll][4 * V4];
+      for (int ks = ks0; ks < ks1; ks += NS * kUnroll) {
+#pragma unroll
+        for (int st = 0; st < NS; ++st) {
+          const int kb = ks + st * kUnroll;
+          if (kb < ks1) {
+            cp_async_wait<NS - 2>();  // batch kb (slot st) has landed
+            issue((st + NS - 1) % NS);
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+              for (int v = 0; v < V4; ++v) {
+                const uint4 r = ring[warp][st][u * V4 + v][lane];
+                w[u][4 * v + 0] = r.x; w[u][4 * v + 1] = r.y; w[u][4 * v + 2] = r.z; w[u][4 * v + 3] = r.w;
+              }
+            compute(w, kb);
+          }
+        }
+      }
+      cp_async_wait<0>();
+    } else if constexpr (MT == 1) {
       // Decode (M <= 16): the next kUnroll slabs are requested before this one's dequantize + mma, so a warp keeps
       // its weight loads in flight while it computes (the loads are volatile asm: the compiler keeps them where
       // they are written). At larger MT the second buffer would crowd the accumulators out of registers.
@@ -210,29 +263,30 @@ __global__ void wna16_dequant_kernel(const uint4* __restrict__ B, const T* __res
   }
 }
 
-template <typename T, int BITS, int MT, bool ZP>
+template <typename T, int BITS, int MT, bool ZP, bool RING = false>
 void run_gemm(const void* x, const void* qw, const void* s, const void* z, const void* bias, void* out, float* ws,
               int* counters, int M, int N, int K, int gs, int spp, cudaStream_t st) {
   const int splits = (K / 16 + spp - 1) / spp;
   dim3 grid((N + kWna16BlockN - 1) / kWna16BlockN, (M + MT * 16 - 1) / (MT * 16), splits);
-  wna16_gemm_kernel<T, BITS, MT, ZP><<<grid, kWna16Threads, 0, st>>>(
+  wna16_gemm_kernel<T, BITS, MT, ZP, RING><<<grid, kWna16Threads, 0, st>>>(
       (const T*)x, (const uint4*)qw, (const T*)s, (const T*)z, (const T*)bias, (T*)out, ws, counters, M, N, K,
       gs, spp);
 }
 
 template <typename T, int BITS, bool ZP>
 void run_gemm_mt(const void* x, const void* qw, const void* s, const void* z, const void* bias, void* out,
-                 float* ws, int* counters, int M, int N, int K, int gs, int spp, cudaStream_t st) {
-  if (M <= 16) run_gemm<T, BITS, 1, ZP>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, st);
+                 float* ws, int* counters, int M, int N, int K, int gs, int spp, bool ring, cudaStream_t st) {
+  if (M <= 16 && ring) run_gemm<T, BITS, 1, ZP, true>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, st);
+  else if (M <= 16) run_gemm<T, BITS, 1, ZP>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, st);
   else if (M <= 32) run_gemm<T, BITS, 2, ZP>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, st);
   else run_gemm<T, BITS, 4, ZP>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, st);
 }
 
 template <typename T, int BITS>
 void run_typed(const void* x, const void* qw, const void* s, const void* z, const void* bias, void* out, float* ws,
-               int* counters, int M, int N, int K, int gs, int spp, cudaStream_t st) {
-  if (z) run_gemm_mt<T, BITS, true>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, st);
-  else run_gemm_mt<T, BITS, false>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, st);
+               int* counters, int M, int N, int K, int gs, int spp, bool ring, cudaStream_t st) {
+  if (z) run_gemm_mt<T, BITS, true>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, ring, st);
+  else run_gemm_mt<T, BITS, false>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, ring, st);
 }
 
 template <typename T, int BITS>
@@ -255,16 +309,16 @@ const char* check_shape(int bits, int N, int K, int gs) {
 
 const char* launch_wna16_gemm(DType dt, int bits, const void* x, const void* qweight, const void* scales,
                               const void* zeros, const void* bias, void* out, float* ws, int* counters, int M,
-                              int N, int K, int group_size, int spp, cudaStream_t st) {
+                              int N, int K, int group_size, int spp, bool ring, cudaStream_t st) {
   if (const char* e = check_shape(bits, N, K, group_size)) return e;
   if (spp <= 0 || spp % kUnroll != 0) return "slabs_per_split must be a positive multiple of 4";
   if (M <= 0) return nullptr;
   if (dt == DType::kHalf) {
-    if (bits == 4) run_typed<half, 4>(x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, group_size, spp, st);
-    else run_typed<half, 8>(x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, group_size, spp, st);
+    if (bits == 4) run_typed<half, 4>(x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, group_size, spp, ring, st);
+    else run_typed<half, 8>(x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, group_size, spp, ring, st);
   } else {
-    if (bits == 4) run_typed<__nv_bfloat16, 4>(x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, group_size, spp, st);
-    else run_typed<__nv_bfloat16, 8>(x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, group_size, spp, st);
+    if (bits == 4) run_typed<__nv_bfloat16, 4>(x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, group_size, spp, ring, st);
+    else run_typed<__nv_bfloat16, 8>(x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, group_size, spp, ring, st);
   }
   return nullptr;
 }

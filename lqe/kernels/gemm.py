@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 # follows dispatch.WNA16_TABLE instead.
 LARGE_M_THRESHOLD = 128
 # What a table row becomes when its kernel is unavailable here (no triton / extension not built).
-_COUNTERPART = {"lqe-wna16-fused": "triton-wna16", "triton-wna16": "lqe-wna16-fused",
+_COUNTERPART = {"lqe-wna16-fused": "triton-wna16", "lqe-wna16-ring": "triton-wna16", "triton-wna16": "lqe-wna16-fused",
                 "triton-wna16-swap": "lqe-wna16-fused",
                 "triton-dequant+cublas": "dequant+cublas", "dequant+cublas": "triton-dequant+cublas",
                 "triton-dequant-l2+cublas": "dequant+cublas",
@@ -126,17 +126,18 @@ def triton_reason(device: torch.device | str) -> str | None:
 
 
 _MMA_DECLINED: set[str] = set()  # reasons already logged by select_w4a16_kernel
-_TABLES = {"": "WNA16_TABLE", "default": "WNA16_TABLE", "mma": "WNA16_MMA_TABLE", "swap": "WNA16_SWAP_TABLE"}
+_TABLES = {"": "WNA16_TABLE", "default": "WNA16_TABLE", "mma": "WNA16_MMA_TABLE", "swap": "WNA16_SWAP_TABLE",
+           "ring": "WNA16_RING_TABLE"}
 
 
 def active_table() -> list[tuple[int | None, str]]:
-    """``dispatch.WNA16_TABLE``, or the candidate ``dispatch.WNA16_MMA_TABLE`` / ``WNA16_SWAP_TABLE`` when
-    ``LQE_WNA16_TABLE`` is ``mma`` / ``swap`` (the e2e benchmark's variants, before a measurement makes one the
-    default)."""
+    """``dispatch.WNA16_TABLE``, or the candidate ``dispatch.WNA16_MMA_TABLE`` / ``WNA16_SWAP_TABLE`` /
+    ``WNA16_RING_TABLE`` when ``LQE_WNA16_TABLE`` is ``mma`` / ``swap`` / ``ring`` (the e2e benchmark's variants,
+    before a measurement makes one the default)."""
     choice = os.environ.get("LQE_WNA16_TABLE", "").strip().lower()
     if choice not in _TABLES:
         raise ValueError(f"LQE_WNA16_TABLE={choice!r}: use 'mma' (dispatch.WNA16_MMA_TABLE), 'swap' "
-                         "(dispatch.WNA16_SWAP_TABLE) or leave it unset")
+                         "(dispatch.WNA16_SWAP_TABLE), 'ring' (dispatch.WNA16_RING_TABLE) or leave it unset")
     return getattr(dispatch, _TABLES[choice])
 
 
@@ -195,7 +196,8 @@ def wna16_gemm(x: torch.Tensor, packed: PackedWNA16, bias: torch.Tensor | None =
     m = x2.shape[0]
     if isinstance(packed, PackedMMA):
         return _mma_call(x2, packed, bias, out, path, splits).view(*lead, packed.n)
-    name = {"fused": "lqe-wna16-fused", "dequant": "dequant+cublas", "triton": "triton-wna16"}.get(path, path)
+    name = {"fused": "lqe-wna16-fused", "ring": "lqe-wna16-ring", "dequant": "dequant+cublas",
+            "triton": "triton-wna16"}.get(path, path)
     if name == "auto":
         name = kernel_for(m, x2.device)
     elif name == "cuda":
@@ -219,12 +221,12 @@ def wna16_gemm(x: torch.Tensor, packed: PackedWNA16, bias: torch.Tensor | None =
         torch.matmul(x2, w, out=out)
         if bias is not None:
             out.add_(bias)
-    elif name == "lqe-wna16-fused":
+    elif name in ("lqe-wna16-fused", "lqe-wna16-ring"):  # ring: the weights through a cp.async ring at M <= 16
         e = _ext()
         spp = plan_slabs_per_split(m, packed.n, packed.k, x2.device, 16, 4, splits)
         cnt = counters(x2.device, math.ceil(packed.n / BLOCK_N) * math.ceil(m / 16))
         e.wna16_gemm(x2, packed.qweight, packed.scales, packed.zeros, bias, out, packed.bits, packed.group_size,
-                     spp, cnt)
+                     spp, cnt, name == "lqe-wna16-ring")
     else:
         raise ValueError(f"unknown W4A16 path {path!r}")
     return out.view(*lead, packed.n)

@@ -64,6 +64,29 @@ def test_all_m_and_paths(dtype, m, k, n, path):
     run_case(m, k, n, 4, 128, False, False, dtype, path)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("gs", [32, 128, -1])
+@pytest.mark.parametrize("asym", [False, True])
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("splits", [1, None])
+def test_ring_equals_the_register_buffered_gemv(dtype, bits, gs, asym, m, splits):
+    """lqe-wna16-ring (the weights through a per-warp cp.async ring: 4 stages of 4 slabs for 4-bit, 2 for 8-bit) runs
+    the same arithmetic in the same order as lqe-wna16-fused: equal outputs, bit for bit, for every format, M <= 16
+    and split (1 split: a long ring walk over K = 4096; None: the SM-count split), against the
+    reference too. Above M = 16 the name runs the default kernel."""
+    k, n = 4096, 320
+    cw = canonical(k, n, bits, gs, asym, False, seed=m + bits + gs)
+    kernel, reason = gemm.select_w4a16_kernel(cw, "cuda", dtype)
+    assert kernel is not None, reason
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    ring = gemm.wna16_gemm(x, kernel.packed, bias, splits=splits, path="lqe-wna16-ring")
+    fused = gemm.wna16_gemm(x, kernel.packed, bias, splits=splits, path="lqe-wna16-fused")
+    assert torch.equal(ring, fused)
+    check(ring, reference(x, cw, bias), k)
+
+
 @pytest.mark.parametrize("splits", [1, 2, 3, 7, 64])
 @pytest.mark.parametrize("m", [1, 16, 64, 257])
 def test_split_k_counts(splits, m):

@@ -30,7 +30,8 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 
 
 # LQE_WNA16_TABLE -> words every quantized layer's path description holds (the layout its layers are repacked into)
-TABLES = {"mma": "lqe-w4a16-mma (", "swap": ": triton-wna16-swap"}  # (swap: a row of the table it names)
+TABLES = {"mma": "lqe-w4a16-mma (", "swap": ": triton-wna16-swap",  # (swap / ring: a row of the table it names)
+          "ring": ": lqe-wna16-ring"}
 
 
 @pytest.fixture(autouse=True, params=list(TABLES))
