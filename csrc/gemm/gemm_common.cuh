@@ -189,6 +189,25 @@ __device__ __forceinline__ bool splitk_arrive(int* counters) {
   return last;
 }
 
+// splitk_arrive with one release-acquire atomic in thread 0 after the barrier (the pattern of lqe-w4a16-mma's
+// finish_piece; release is cumulative at gpu scope over the block's stores the barrier ordered before it): no
+// MEMBAR.SC.GPU + L1 invalidation in every thread and no second fence in the last block, whose partial loads are
+// __ldcg (L2) after the acquire and the barrier. A SASS review counted the fences at 2 of the tail's 5-6 dependent L2
+// round trips (~45 % of a 4096 x 4096 M = 1 call). Used by the lqe-wna16-ring candidate only. NOT MEASURED.
+__device__ __forceinline__ bool splitk_arrive_acq_rel(int* counters) {
+  __shared__ int last;
+  __syncthreads();  // every thread's partial stores precede thread 0's release
+  if (threadIdx.x == 0) {
+    const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+    int prev;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(prev) : "l"(counters + tile) : "memory");
+    last = prev == (int)gridDim.z - 1;
+    if (last) counters[tile] = 0;
+  }
+  __syncthreads();
+  return last;
+}
+
 // One split's partial added to a running sum: scalars, and the float2 of two adjacent fp32 elements.
 template <typename A>
 __device__ __forceinline__ void splitk_add(A& s, const A& v) { s += v; }
@@ -203,9 +222,9 @@ __device__ __forceinline__ void splitk_add(float2& s, const float2& v) {
 // the last whole 16 is one more round of predicated loads (it was up to 7 rounds of one load each at 22 splits); loads
 // past `splits` add nothing, so every component is the same sequence of adds. `p` points at split 0's element; splits
 // are `stride` elements of A apart.
-template <typename A>
+// (W: loads in flight per round; 32 covers the M = 1 decode shapes' splits in one round)
+template <typename A, int W = 16>
 __device__ __forceinline__ A splitk_sum(const A* p, size_t stride, int splits) {
-  constexpr int W = 16;
   A s{};
   int z = 0;
   for (; z + W <= splits; z += W) {

@@ -212,18 +212,27 @@ __global__ void __launch_bounds__(kWna16Threads) wna16_gemm_kernel(
           if (row < M) *reinterpret_cast<float2*>(part + (size_t)row * N + col) = make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
         }
   }
-  if (!splitk_arrive(counters)) return;
+  if (!(RING ? splitk_arrive_acq_rel(counters) : splitk_arrive(counters))) return;
   const int n0 = blockIdx.x * kWna16BlockN;
   // Column pairs (N % 64 == 0: a tile's columns pair up, 8-byte aligned in ws and 4-byte in C): at M = 1 the 256
   // columns are one pair per thread, so the tile's sum is one element's rounds, not two elements' one after another.
   const int rows = min(MT * 16, M - m0), pairs = min(kWna16BlockN, N - n0) / 2;
   for (int e = threadIdx.x; e < rows * pairs; e += blockDim.x) {
     const int row = m0 + e / pairs, col = n0 + 2 * (e % pairs);
-    float2 s = splitk_sum(reinterpret_cast<const float2*>(ws + (size_t)row * N + col), (size_t)M * N / 2,
-                          (int)gridDim.z);  // (M * N is even: N % 64 == 0)
-    if (bias) {
-      s.x += to_f(bias[col]);
-      s.y += to_f(bias[col + 1]);
+    float2 s;
+    if constexpr (RING) {  // the bias loaded before the sum's loads (not one more round trip after them), 32 in flight
+      const float2 b = bias ? make_float2(to_f(bias[col]), to_f(bias[col + 1])) : make_float2(0.f, 0.f);
+      s = splitk_sum<float2, 32>(reinterpret_cast<const float2*>(ws + (size_t)row * N + col), (size_t)M * N / 2,
+                                 (int)gridDim.z);
+      s.x += b.x;
+      s.y += b.y;
+    } else {
+      s = splitk_sum(reinterpret_cast<const float2*>(ws + (size_t)row * N + col), (size_t)M * N / 2,
+                     (int)gridDim.z);  // (M * N is even: N % 64 == 0)
+      if (bias) {
+        s.x += to_f(bias[col]);
+        s.y += to_f(bias[col + 1]);
+      }
     }
     *reinterpret_cast<uint32_t*>(C + (size_t)row * N + col) = pack_f2(T(), s.x, s.y);
   }

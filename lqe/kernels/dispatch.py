@@ -47,7 +47,8 @@ WNA16_SWAP_TABLE: list[tuple[int | None, str]] = [
 # "lqe-wna16-ring" (csrc/gemm/wna16_gemm.cu, RING): the CUDA GEMV with its weights streamed through a per-warp
 # cp.async ring (3 batches of 2 KB in flight per warp, counted waits) instead of the register double buffer, which a
 # SASS review found waiting on every batch issued (one shared scoreboard: ~2 KB in flight per warp, predicted 35-52 %
-# of the copy bandwidth; measured 0.4-0.9 TB/s of 4.25 at 0ebe3f7). Same results, bit for bit. NOT MEASURED: the row
+# of the copy bandwidth; measured 0.4-0.9 TB/s of 4.25 at 0ebe3f7); its split-K tail takes one release-acquire atomic
+# instead of two fences per thread and loads the bias before the sums. Same results, bit for bit. NOT MEASURED: the row
 # "lqe-w4a16-fused-ring" (benchmarks/kernels.py), LQE_WNA16_TABLE=ring (e2e variant w4a16-ring); the crossover to
 # triton-wna16 is a guess.
 WNA16_RING_TABLE: list[tuple[int | None, str]] = [
