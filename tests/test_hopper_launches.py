@@ -178,6 +178,7 @@ def test_swapped_8bit_gemms_run_hopper_wgmma(m):
         cfg = tg.GemvConfig(64, 128, use_dot=True, swap_ab=True, precise_acc=precise)
         assert _compile_all(lambda: tg.gemv_w8a8(xq, sa, w, sw, config=cfg), check) == ["_gemv_kernel"]
     xi, wi = torch.randint(-127, 128, (m, k), dtype=torch.int8), torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    cfg = tg.GemvConfig(64, 128, use_dot=True, swap_ab=True)  # int8: IGMMA (no accumulation choice)
     assert _compile_all(lambda: tg.gemv_w8a8(xi, sa, wi, sw, config=cfg), check) == ["_gemv_kernel"]
 
 

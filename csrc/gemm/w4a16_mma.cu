@@ -172,7 +172,8 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
   // source address advances one slab per stage (back to slab 0 at a column tile's end), the row test is made once.
   const int a_r0 = tid >> 3, a_ch = tid & 7;
   const uint32_t a_off0 = SM::kB + a_r0 * 128 + ((a_ch ^ (a_r0 & 7)) << 4);  // (row + 16 i keeps r & 7)
-  uint64_t a_src = reinterpret_cast<uint64_t>(A) + ((uint64_t)a_r0 * a.K + (uint64_t)kt0 * kMmaTileK + a_ch * 8) * sizeof(T);
+  uint64_t a_src =
+      reinterpret_cast<uint64_t>(A) + ((uint64_t)a_r0 * a.K + (uint64_t)kt0 * kMmaTileK + a_ch * 8) * sizeof(T);
   const uint64_t a_rowstep = (uint64_t)16 * a.K * sizeof(T);
   uint32_t a_rows_ok = 0;
 #pragma unroll
@@ -335,76 +336,76 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
   // Pieces (a column tile's k-tiles in this stripe) in the outer loop, their k-tiles in the inner one: the piece-end
   // test and the (kt, nt) update leave the k-tile loop.
   for (int i = 0; i < n_it; kt = 0, ++nt) {
-   const int i_end = min(n_it, i + a.k_tiles - kt);
-   for (; i < i_end; ++i, ++kt) {
-    cp_wait<kStages - 2>();
-    __syncthreads();  // stage i landed for every thread; slot (i - 1) % kStages is free
-    const uint8_t* st = smem + (i & (kStages - 1)) * SM::kStage;
-    const uint32_t st32 = smem_u32(st);
-    auto fetch = [&](Frag& f, int s) {
+    const int i_end = min(n_it, i + a.k_tiles - kt);
+    for (; i < i_end; ++i, ++kt) {
+      cp_wait<kStages - 2>();
+      __syncthreads();  // stage i landed for every thread; slot (i - 1) % kStages is free
+      const uint8_t* st = smem + (i & (kStages - 1)) * SM::kStage;
+      const uint32_t st32 = smem_u32(st);
+      auto fetch = [&](Frag& f, int s) {
 #pragma unroll
-      for (int v = 0; v < V; ++v) {
-        const uint4 r = *reinterpret_cast<const uint4*>(st + w_rd + (s * 4 * V + v) * 512);
-        f.w[4 * v + 0] = r.x;
-        f.w[4 * v + 1] = r.y;
-        f.w[4 * v + 2] = r.z;
-        f.w[4 * v + 3] = r.w;
-      }
+        for (int v = 0; v < V; ++v) {
+          const uint4 r = *reinterpret_cast<const uint4*>(st + w_rd + (s * 4 * V + v) * 512);
+          f.w[4 * v + 0] = r.x;
+          f.w[4 * v + 1] = r.y;
+          f.w[4 * v + 2] = r.z;
+          f.w[4 * v + 3] = r.w;
+        }
 #pragma unroll
-      for (int mi = 0; mi < MB; ++mi) ldmatrix_x4(f.af[mi], st32 + (a_rd ^ (s << 5)) + mi * 2048);
-    };
-    uint4 sv, zv;  // the scale (+ zero-point) vector of a slab that opens a group
-    auto fetch_scales = [&](int s) {
-      sv = *reinterpret_cast<const uint4*>(st + s_rd + s * 512);
-      if (has_zp) zv = *reinterpret_cast<const uint4*>(st + s_rd + SM::kS + s * 512);
-    };
-    auto prep = [&]() {
-      const T* s8 = reinterpret_cast<const T*>(&sv);
-      if (has_zp) {
-        const T* z8 = reinterpret_cast<const T*>(&zv);
+        for (int mi = 0; mi < MB; ++mi) ldmatrix_x4(f.af[mi], st32 + (a_rd ^ (s << 5)) + mi * 2048);
+      };
+      uint4 sv, zv;  // the scale (+ zero-point) vector of a slab that opens a group
+      auto fetch_scales = [&](int s) {
+        sv = *reinterpret_cast<const uint4*>(st + s_rd + s * 512);
+        if (has_zp) zv = *reinterpret_cast<const uint4*>(st + s_rd + SM::kS + s * 512);
+      };
+      auto prep = [&]() {
+        const T* s8 = reinterpret_cast<const T*>(&sv);
+        if (has_zp) {
+          const T* z8 = reinterpret_cast<const T*>(&zv);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) prm[j] = D::prep(s8[j], z8[j]);
+          for (int j = 0; j < 8; ++j) prm[j] = D::prep(s8[j], z8[j]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) prm[j] = D::prep(s8[j], zc);
+        }
+      };
+      auto compute = [&](const Frag& f) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          uint32_t b0, b1;
+          D::tile(f.w, j, prm[j], b0, b1);
+#pragma unroll
+          for (int mi = 0; mi < MB; ++mi) MmaF16<T>::run(acc[mi][j], f.af[mi], b0, b1);
+        }
+      };
+      Frag f[kBuf];  // slab s in f[s % kBuf]
+#pragma unroll
+      for (int s = 0; s < kPre; ++s) fetch(f[s], s);  // slot i is read, slot (i + kStages - 1) % kStages written below
+      int g[4];
+      if (G64) {  // one group for the four slabs: fresh[1..3] are false at compile time
+        g[0] = g[1] = g[2] = g[3] = min((kt * kMmaTileK) >> a.gs_shift, a.groups - 1);
       } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) prm[j] = D::prep(s8[j], zc);
+        slab_groups(kt * kMmaTileK, g);
       }
-    };
-    auto compute = [&](const Frag& f) {
+      bool fresh[4];  // slab s opens a new group (or a new piece: cur_g = -1): 8 scales (+ zero points) from slot s
+      fresh[0] = g[0] != cur_g;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        uint32_t b0, b1;
-        D::tile(f.w, j, prm[j], b0, b1);
+      for (int s = 1; s < 4; ++s) fresh[s] = g[s] != g[s - 1];
+      cur_g = g[3];
+      if (kPre > 0 && fresh[0]) fetch_scales(0);
+      if (i + kStages - 1 < n_it) load_stage((i + kStages - 1) & (kStages - 1));
+      cp_commit();
 #pragma unroll
-        for (int mi = 0; mi < MB; ++mi) MmaF16<T>::run(acc[mi][j], f.af[mi], b0, b1);
+      for (int s = 0; s < 4; ++s) {
+        if (s >= kPre) fetch(f[s % kBuf], s);
+        if (fresh[s]) {
+          if (s > 0 || kPre == 0) fetch_scales(s);
+          prep();
+        }
+        compute(f[s % kBuf]);
       }
-    };
-    Frag f[kBuf];  // slab s in f[s % kBuf]
-#pragma unroll
-    for (int s = 0; s < kPre; ++s) fetch(f[s], s);  // slot i is read, slot (i + kStages - 1) % kStages written below
-    int g[4];
-    if (G64) {  // one group for the four slabs: fresh[1..3] are false at compile time
-      g[0] = g[1] = g[2] = g[3] = min((kt * kMmaTileK) >> a.gs_shift, a.groups - 1);
-    } else {
-      slab_groups(kt * kMmaTileK, g);
     }
-    bool fresh[4];  // slab s opens a new group (or a new piece: cur_g = -1): 8 scales (+ zero points) from slot s
-    fresh[0] = g[0] != cur_g;
-#pragma unroll
-    for (int s = 1; s < 4; ++s) fresh[s] = g[s] != g[s - 1];
-    cur_g = g[3];
-    if (kPre > 0 && fresh[0]) fetch_scales(0);
-    if (i + kStages - 1 < n_it) load_stage((i + kStages - 1) & (kStages - 1));
-    cp_commit();
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      if (s >= kPre) fetch(f[s % kBuf], s);
-      if (fresh[s]) {
-        if (s > 0 || kPre == 0) fetch_scales(s);
-        prep();
-      }
-      compute(f[s % kBuf]);
-    }
-   }
     finish_piece(nt, it0 > nt * a.k_tiles ? k_lo0 : 0);
 #pragma unroll
     for (int mi = 0; mi < MB; ++mi)
@@ -585,7 +586,8 @@ const char* launch_w4a16_mma(DType dt, int bits, const void* x, const void* qwei
               k_tiles, n_tiles, n_pad, group_size, groups, per, gs_shift, m0 + rows >= M};
     cudaError_t e;
     if (dt == DType::kHalf)
-      e = bits == 4 ? run_rows<half, 4>(a, grid, mb_max, g64, stream) : run_rows<half, 8>(a, grid, mb_max, g64, stream);
+      e = bits == 4 ? run_rows<half, 4>(a, grid, mb_max, g64, stream)
+                    : run_rows<half, 8>(a, grid, mb_max, g64, stream);
     else
       e = bits == 4 ? run_rows<__nv_bfloat16, 4>(a, grid, mb_max, g64, stream)
                     : run_rows<__nv_bfloat16, 8>(a, grid, mb_max, g64, stream);

@@ -219,20 +219,16 @@ __global__ void __launch_bounds__(kWna16Threads) wna16_gemm_kernel(
   const int rows = min(MT * 16, M - m0), pairs = min(kWna16BlockN, N - n0) / 2;
   for (int e = threadIdx.x; e < rows * pairs; e += blockDim.x) {
     const int row = m0 + e / pairs, col = n0 + 2 * (e % pairs);
-    float2 s;
-    if constexpr (RING) {  // the bias loaded before the sum's loads (not one more round trip after them), 32 in flight
-      const float2 b = bias ? make_float2(to_f(bias[col]), to_f(bias[col + 1])) : make_float2(0.f, 0.f);
-      s = splitk_sum<float2, 32>(reinterpret_cast<const float2*>(ws + (size_t)row * N + col), (size_t)M * N / 2,
-                                 (int)gridDim.z);
+    // RING: the bias is loaded before the sum's loads (not one more round trip after them), 32 of them in flight
+    auto load_bias = [&] { return make_float2(to_f(bias[col]), to_f(bias[col + 1])); };
+    float2 b = make_float2(0.f, 0.f);
+    if (RING && bias) b = load_bias();
+    float2 s = splitk_sum<float2, RING ? 32 : 16>(reinterpret_cast<const float2*>(ws + (size_t)row * N + col),
+                                                  (size_t)M * N / 2, (int)gridDim.z);  // (M * N even: N % 64 == 0)
+    if (bias) {
+      if (!RING) b = load_bias();
       s.x += b.x;
       s.y += b.y;
-    } else {
-      s = splitk_sum(reinterpret_cast<const float2*>(ws + (size_t)row * N + col), (size_t)M * N / 2,
-                     (int)gridDim.z);  // (M * N is even: N % 64 == 0)
-      if (bias) {
-        s.x += to_f(bias[col]);
-        s.y += to_f(bias[col + 1]);
-      }
     }
     *reinterpret_cast<uint32_t*>(C + (size_t)row * N + col) = pack_f2(T(), s.x, s.y);
   }

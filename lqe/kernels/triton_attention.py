@@ -50,11 +50,17 @@ def _kv_tile(KV, table, offs_n, n_mask, offs_d, d_mask, kvh, q, stride_kv, strid
 def _kv_tile_at(KV, blk, offs_n, n_mask, offs_d, d_mask, kvh, q, stride_kv, stride_blk, stride_slot, stride_ch,
                 PAGE: tl.constexpr):
     """:func:`_kv_tile` with the positions' cache blocks ``blk`` already read from the block table."""
-    rows = blk.to(tl.int64) * stride_blk + (offs_n % PAGE) * stride_slot + kvh * stride_ch
+    rows = _kv_rows(blk, offs_n, kvh, stride_blk, stride_slot, stride_ch, PAGE)
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(KV + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(KV + stride_kv + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     return k.to(q.dtype), v.to(q.dtype)
+
+
+@triton.jit
+def _kv_rows(blk, offs_n, kvh, stride_blk, stride_slot, stride_ch, PAGE: tl.constexpr):
+    """Element offsets of KV head ``kvh``'s K rows at positions ``offs_n`` in cache blocks ``blk`` (V: + stride_kv)."""
+    return blk.to(tl.int64) * stride_blk + (offs_n % PAGE) * stride_slot + kvh * stride_ch
 
 
 def _f8x4_to_f16_asm(e5m2: bool) -> str:
@@ -251,7 +257,7 @@ def _decode_kernel(Q, KV, KVW, Out, PartOut, PartLse, BlockTables, QueryStart, S
             cur = blk
             blk = tl.load(table + (offs_n + BLOCK_N) // PAGE, mask=offs_n + BLOCK_N < hi, other=0)
             if V_ASM != 0:
-                rows = cur.to(tl.int64) * stride_blk + (offs_n % PAGE) * stride_slot + kvh * stride_ch
+                rows = _kv_rows(cur, offs_n, kvh, stride_blk, stride_slot, stride_ch, PAGE)
                 k = tl.load(KV + rows[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :],
                             other=0.0).to(q.dtype)
                 v = _v_tile_f16(KVW, rows, n_mask, stride_kv, HEAD_DIM, BLOCK_N, BLOCK_D, KV.dtype.element_ty,
@@ -409,7 +415,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     p_strides = (num_heads * splits * block_d, splits * block_d, block_d)
     v_asm = _v_asm(kv_cache, query.dtype, quant, head_dim)
     _decode_kernel[(b, num_kv_heads, splits)](
-        query, kv_cache, kv_cache.view(torch.int32) if v_asm else kv_cache, out, part_out, part_lse, meta.block_tables, meta.query_start_loc, meta.seq_lens, ks, vs,
+        query, kv_cache, kv_cache.view(torch.int32) if v_asm else kv_cache, out, part_out, part_lse,
+        meta.block_tables, meta.query_start_loc, meta.seq_lens, ks, vs,
         scale_log2, query.stride(0), query.stride(1), out.stride(0), out.stride(1), *kv_strides,
         meta.block_tables.stride(0), *p_strides, GROUP=group, HEAD_DIM=head_dim, PAGE=page,
         NUM_SPLITS=splits, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, DOT_F32=dot_f32, PRECISION=precision,

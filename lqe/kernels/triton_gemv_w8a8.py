@@ -357,7 +357,8 @@ def gemv_w8a8(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale:
         sa_stride, zp_stride, HAS_AZP=zp is not None, HAS_BIAS=bias is not None, IS_FP8=fp8, BLOCK_M=bm,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, USE_DOT=cfg.use_dot,
         EVEN_K=k % cfg.block_k == 0, DP4A=dp4a, DP4A_ASM=not _INTERPRET, K_STAGES=cfg.num_stages,
-        SWAP_AB=cfg.use_dot and cfg.swap_ab, PROMOTE=cfg.block_k if cfg.precise_acc else None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SWAP_AB=cfg.use_dot and cfg.swap_ab, PROMOTE=cfg.block_k if cfg.precise_acc else None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
