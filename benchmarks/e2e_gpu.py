@@ -94,12 +94,16 @@ SHAPES = {  # HF config fields of the real models; weights are random
                                    max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True)),
 }
 VARIANTS = {"bf16": None, "w4a16": "gptq", "w4a16-mma": "gptq", "w4a16-swap": "gptq", "w4a16-ring": "gptq",
+            "w4a16-pdl": "gptq", "w4a16-ring-pdl": "gptq",
             "w8a8": "w8a8", "w8a8-online": "online:int8", "fp8": "online:fp8"}  # variant -> tools.convert --format
 # ("online:<kind>": the bf16 checkpoint loaded with quantization=<kind>: per-channel weights, dynamic per-token
 # activations, quantized at load time; issue 25)
 # the w4a16 checkpoint on a candidate table (issue 24): dispatch.WNA16_MMA_TABLE / WNA16_SWAP_TABLE
 VARIANT_ENV = {"w4a16-mma": {"LQE_WNA16_TABLE": "mma"}, "w4a16-swap": {"LQE_WNA16_TABLE": "swap"},
-               "w4a16-ring": {"LQE_WNA16_TABLE": "ring"}}
+               "w4a16-ring": {"LQE_WNA16_TABLE": "ring"},
+               # the w4a16 checkpoint with programmatic dependent launch (LQE_PDL=1, sm_90+: the CUDA GEMV and the
+               # decode step's Triton kernels; lqe.kernels.device_info.pdl_enabled), on the default / ring table
+               "w4a16-pdl": {"LQE_PDL": "1"}, "w4a16-ring-pdl": {"LQE_WNA16_TABLE": "ring", "LQE_PDL": "1"}}
 MAX_MODEL_LEN = 2048 + 64
 SHARD_BYTES = 4 << 30
 
@@ -541,12 +545,17 @@ def check_table_honoured(kernels: str) -> None:
     """A variant that selects a W4A16 table (VARIANT_ENV: LQE_WNA16_TABLE) must run its kernels: when the layers fell
     back (the CUDA extension did not build, or the kernel declines the shapes), its row would report another
     kernel's numbers under its name. Raise, naming what the layers run (``kernels``: the engine's
-    quant_description)."""
+    quant_description). A ``-pdl`` variant (LQE_PDL=1) on a GPU without programmatic dependent launch raises too."""
+    from lqe.kernels.device_info import pdl_enabled
+
     table = os.environ.get("LQE_WNA16_TABLE", "")
     want = {"mma": "lqe-w4a16-mma (", "swap": "triton-wna16-swap", "ring": "lqe-wna16-ring"}.get(table)
     if want and want not in kernels:
         raise RuntimeError(f"LQE_WNA16_TABLE={table}: no layer runs {want.rstrip(' (')}; the layers run: "
                            f"{kernels[:400]}")
+    if os.environ.get("LQE_PDL") == "1" and not pdl_enabled(torch.device("cuda")):  # a -pdl row without PDL
+        raise RuntimeError("LQE_PDL=1: programmatic dependent launch needs a GPU of compute capability 9.0 or later; "
+                           "this one would run the variant without it")
 
 
 def run_variant(model_dir: Path, args, vocab: int, shape: str) -> dict:

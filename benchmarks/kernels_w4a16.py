@@ -12,9 +12,15 @@ import math
 
 import torch
 
+from lqe.kernels.device_info import pdl_supported
+
 MMA_ROWS = ("lqe-w4a16-mma", "lqe-w4a16-mma-dequant+cublas")
 FUSED_SPLIT_ROWS = {"lqe-w4a16-fused-t2": 2, "lqe-w4a16-fused-t8": 8}  # timed at M <= 16 only
 FUSED_RING_ROW = "lqe-w4a16-fused-ring"  # the CUDA GEMV on its cp.async ring (lqe-wna16-ring), M <= 16 only
+# the CUDA GEMV (default / ring) with programmatic dependent launch (sm_90+, M <= 16 only): back-to-back calls in the
+# timed graph, each requesting its first weight batches while the call before it finishes (LQE_PDL=1 in a model)
+FUSED_PDL_ROWS = {"lqe-w4a16-fused-pdl": "fused", "lqe-w4a16-fused-ring-pdl": "ring"}
+SMALL_M_ROWS = (*FUSED_SPLIT_ROWS, FUSED_RING_ROW, *FUSED_PDL_ROWS)  # timed at M <= 16 only
 # not a table name: gemm_mma.mma_gemm's sms (stripes) at 2 x the SM count. Two blocks share an SM only where their
 # shared memory fits: the 8-stage M <= 16 kernel takes 88 KB (two fit an H100 / H200's 227 KB, not an A100's 164)
 MMA_2CTA_ROW = "lqe-w4a16-mma-2cta"
@@ -84,6 +90,10 @@ def w4a16_candidates(k: int, n: int, rotating, cycler, dev: str = "cuda") -> dic
                 x, p(), path="fused", splits=splits))())(splits), w4bytes)
         out[FUSED_RING_ROW] = ((lambda x: (lambda p=cycler(p4): lambda: lk.wna16_gemm(x, p(), path="ring"))()),
                                w4bytes)
+        if pdl_supported(torch.device(dev)):
+            for name, path in FUSED_PDL_ROWS.items():
+                out[name] = ((lambda path: lambda x: (lambda p=cycler(p4): lambda: lk.wna16_gemm(
+                    x, p(), path=path, pdl=True))())(path), w4bytes)
         for extra in ("triton-dequant+cublas", "triton-dequant-only"):  # dequant + cuBLAS is lqe-w4a16-dequant
             out.pop(extra, None)
         add_mma_rows(out, k, n, rotating, cycler, dev)
@@ -141,7 +151,7 @@ def w4a16_sweep(shapes: list[str], ms: list[int], copy_gbps: float, bench, rotat
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             base = None
             for name, (setup, wbytes) in cands.items():
-                if (name in FUSED_SPLIT_ROWS or name == FUSED_RING_ROW) and m > 16:
+                if name in SMALL_M_ROWS and m > 16:
                     continue
                 us = bench_row(bench, lambda: setup(x), f"{name} {shape} M={m}", rows, on_fault, kernel=name,
                                shape=shape, m=m)

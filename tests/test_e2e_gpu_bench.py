@@ -292,3 +292,16 @@ def test_a_table_variant_refuses_layers_that_fell_back(monkeypatch):
         with pytest.raises(RuntimeError, match="swap"):
             e2e_gpu.check_table_honoured(wna_desc)
         e2e_gpu.check_table_honoured(wna_desc.replace("triton-wna16)", "triton-wna16-swap)"))
+    from lqe.kernels import device_info
+
+    for variant in ("w4a16-pdl", "w4a16-ring-pdl"):  # a -pdl row must run with programmatic dependent launch
+        assert e2e_gpu.VARIANTS[variant] == "gptq"
+        with e2e_gpu.variant_env(variant):
+            assert os.environ["LQE_PDL"] == "1"
+            desc = wna_desc.replace("triton-wna16)", "lqe-wna16-ring)") if "ring" in variant else wna_desc
+            monkeypatch.setattr(device_info, "pdl_supported", lambda device: False)
+            with pytest.raises(RuntimeError, match="LQE_PDL=1: programmatic dependent launch needs"):
+                e2e_gpu.check_table_honoured(desc)
+            monkeypatch.setattr(device_info, "pdl_supported", lambda device: True)
+            e2e_gpu.check_table_honoured(desc)
+        assert "LQE_PDL" not in os.environ

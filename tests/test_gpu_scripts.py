@@ -87,8 +87,8 @@ if [[ "$1 $2" == "-m pytest" ]]; then
   if [[ "$*" == *--collect-only* ]]; then printf '%s\n' "${all[@]}"; exit 0; fi
   [[ -n "${LQE_STUB_CUT:-}" && "$*" == *"$LQE_STUB_CUT"* ]] && exit 124  # a group killed before its XML
   ids=(); xml=/dev/null
-  for a in "$@"; do [[ "$a" == *::* ]] && ids+=("$a"); [[ "$a" == --junitxml=* ]] && xml=${a#--junitxml=}; done
-  (( ${#ids[@]} )) || ids=("${all[@]}")  # files given: they hold every stub test
+  for a in "$@"; do [[ " ${all[*]} " == *" $a "* ]] && ids+=("$a"); [[ "$a" == --junitxml=* ]] && xml=${a#--junitxml=}; done
+  (( ${#ids[@]} )) || ids=("${all[@]}")  # files (or other ids) given: they hold every stub test
   cases=""; rc=0
   for id in "${ids[@]}"; do  # tests/device_faults.py's records; LQE_STUB_FAULT's test loses the CUDA context,
     # LQE_STUB_CRASH's ends the process inside it (no end record, no XML: a crash, or the hang watchdog)

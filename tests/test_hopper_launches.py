@@ -296,6 +296,61 @@ def test_paged_attention_mixed_step(head_dim, group, cache):
     assert names == ["_prefill_kernel", "_decode_kernel", "_decode_reduce_kernel"], names
 
 
+def _pdl_order(name: str, ptx: str) -> None:
+    """A PDL kernel's PTX waits (griddepcontrol.wait) before its first global load or store, and lets the next
+    kernel be scheduled (griddepcontrol.launch_dependents)."""
+    wait = ptx.find("griddepcontrol.wait")
+    assert wait >= 0 and "griddepcontrol.launch_dependents" in ptx, f"{name}: no griddepcontrol in the PTX"
+    first = re.search(r"\b(ld|st|atom|red)\.global|\bcp\.async", ptx)
+    assert first is not None and first.start() > wait, f"{name}: global memory touched before griddepcontrol.wait"
+
+
+def test_pdl_launches_wait_before_any_global_access(monkeypatch, cpu_launches):
+    """With LQE_PDL=1 on sm_90 (lqe.kernels.triton_pdl) each Triton kernel of a decode step (RMSNorm, SiLU-mul, the
+    rotary, the KV store, the decode attention and its reduction) launches with launch_pdl and PDL=True, and its
+    sm_90 PTX waits for the kernel before it ahead of every global load and store (a load hoisted above the wait
+    would read the previous kernel's output before it is written). Without it, no griddepcontrol at all (sm_80
+    has none)."""
+    from lqe.forward_context import AttentionMetadata
+    from lqe.kernels import fused_ops as fo, triton_attention as ta, triton_kv_store as tkv, triton_pdl
+    from hopper_compile import captured_launches, compile_launch
+
+    hidden, heads, d, page, kvh = 4096, 32, 128, 16, 8
+    x, w = torch.randn(4, hidden, dtype=torch.bfloat16), torch.ones(hidden, dtype=torch.bfloat16)
+    q, k = torch.randn(4, heads * d, dtype=torch.bfloat16), torch.randn(4, kvh * d, dtype=torch.bfloat16)
+    kv = torch.zeros(2, 64, page, kvh, d, dtype=torch.bfloat16)
+    lens = [900, 17, 300, 5]
+    meta = AttentionMetadata(slot_mapping=torch.arange(4, dtype=torch.int64),
+                             query_start_loc=torch.arange(5, dtype=torch.int32),
+                             seq_lens=torch.tensor(lens, dtype=torch.int32),
+                             block_tables=torch.arange(4 * 16, dtype=torch.int32).view(4, 16), max_query_len=1,
+                             max_seq_len=max(lens), query_start_loc_cpu=list(range(5)), seq_lens_cpu=lens,
+                             block_size=page)
+
+    def step():
+        fo.rms_norm(x, w, 1e-5, residual=x.clone(), use_triton=True)
+        fo.rotary_embedding(torch.arange(4), q, k, torch.randn(1024, d), d, use_triton=True)
+        tkv.store_kv(k.view(4, kvh, d), k.view(4, kvh, d), kv, meta.slot_mapping)
+        ta.paged_attention(q.view(4, heads, d), kv, meta, d ** -0.5, num_splits=4)
+        fo.silu_and_mul(torch.randn(4, 2 * hidden, dtype=torch.bfloat16), use_triton=True)
+
+    monkeypatch.setattr(triton_pdl, "pdl_enabled", lambda device: True)
+    with captured_launches() as launches:
+        step()
+    names = [launch.name for launch in launches]
+    assert names == ["_rms_norm_kernel", "_rotary_kernel", "_rotary_kernel", "_store_kv_kernel", "_decode_kernel",
+                     "_decode_reduce_kernel", "_silu_and_mul_kernel"], names
+    for launch in launches:
+        assert launch.kwargs.get("PDL") is True and launch.kwargs.get("launch_pdl") is True, launch.name
+        _pdl_order(launch.name, compile_launch(launch).asm["ptx"])
+    monkeypatch.setattr(triton_pdl, "pdl_enabled", lambda device: False)
+    with captured_launches() as launches:
+        step()
+    for launch in launches:
+        assert launch.kwargs.get("PDL") is False and "launch_pdl" not in launch.kwargs, launch.name
+        assert "griddepcontrol" not in compile_launch(launch).asm["ptx"], launch.name
+
+
 # ------------------------------------------------------------------------------------------------ 8-bit quantizers
 # the activation widths of the models' W8A8 / FP8 layers: hidden sizes (RMSNorm -> qkv / gate_up, o_proj's
 # standalone quantizer) of 8B / 70B-class / 405B-class Llama, and intermediate sizes (SiLU-mul -> down_proj)

@@ -135,7 +135,7 @@ class FakeExt:
     """The CUDA extension's four entry points, computed with lqe.kernels.gemm_ref on CPU."""
 
     def wna16_gemm(self, x, qweight, scales, zeros, bias, out, bits, group_size, slabs_per_split, counters,
-                   ring=False):  # (ring: the same results, another way to stream the weights)
+                   ring=False, pdl=False):  # (ring, pdl: the same results, another way to stream / launch)
         p = repack.PackedWNA16(qweight, scales, zeros, None, bits, group_size, x.shape[1], out.shape[1])
         out.copy_(gemm_ref.wna16_gemm_ref(x, p, bias))
         return out
@@ -397,3 +397,29 @@ def test_split_k_counters_outlive_a_larger_reserve():
     bigger = gemm.counters(dev, gemm.COUNTERS_MIN + 1)
     assert bigger.numel() == gemm.COUNTERS_MIN + 1 and any(b is first for b in gemm._retired_counters)
     gemm._state.pop(f"counters:{dev}", None)
+
+
+def test_pdl_switch(monkeypatch):
+    """LQE_PDL=1 asks for programmatic dependent launch; it takes effect only on a CUDA device of compute capability
+    9.0+ (never on the CPU), and a value other than 0 / 1 / unset is an error that names the accepted ones."""
+    from lqe.kernels import device_info
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("LQE_PDL", raising=False)
+    assert device_info.pdl_enabled(cpu) is False
+    for value in ("1", "0", " 1 "):
+        monkeypatch.setenv("LQE_PDL", value)
+        assert device_info.pdl_enabled(cpu) is False  # no griddepcontrol off CUDA
+    monkeypatch.setattr(device_info, "_cuda_capability", lambda index: (9, 0))  # (a Hopper GPU, as far as asked)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setenv("LQE_PDL", "1")
+    assert device_info.pdl_enabled(cuda) is True
+    monkeypatch.setenv("LQE_PDL", "0")
+    assert device_info.pdl_enabled(cuda) is False
+    monkeypatch.setattr(device_info, "_cuda_capability", lambda index: (8, 0))
+    monkeypatch.setenv("LQE_PDL", "1")
+    assert device_info.pdl_enabled(cuda) is False and device_info.pdl_supported(cuda) is False
+    monkeypatch.setenv("LQE_PDL", "yes")
+    with pytest.raises(ValueError, match="LQE_PDL='yes'.*use 1"):
+        device_info.pdl_enabled(cuda)

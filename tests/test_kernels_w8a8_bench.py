@@ -199,7 +199,7 @@ def w4a16_on_cpu(monkeypatch):
     monkeypatch.setattr(kb, "add_int4pack_row", lambda *a, **k: None)
     calls = []
     monkeypatch.setattr(lk, "wna16_gemm", lambda x, p, bias=None, out=None, path="auto", **k: calls.append(
-        (path, type(p).__name__)))
+        (path, type(p).__name__) + (("pdl",) if k.get("pdl") else ())))
     monkeypatch.setattr(tw, "dequantize", lambda p, out=None: calls.append(("dequantize", type(p).__name__)))
     return kb, calls
 
@@ -216,7 +216,7 @@ def _layouts(out: dict, calls: list) -> dict[str, str]:
     return seen
 
 
-def test_w4a16_rows_time_their_own_layout_whatever_the_table(w4a16_on_cpu):
+def test_w4a16_rows_time_their_own_layout_whatever_the_table(w4a16_on_cpu, monkeypatch):
     kb, calls = w4a16_on_cpu
     import kernels_w4a16 as k4
 
@@ -230,15 +230,17 @@ def test_w4a16_rows_time_their_own_layout_whatever_the_table(w4a16_on_cpu):
             "lqe-w4a16-mma-dequant+cublas": ("lqe-w4a16-mma-dequant+cublas", "PackedMMA"),
             "lqe-w4a16-mma-2cta": ("lqe-w4a16-mma", "PackedMMA"),
             "lqe-w4a16-fused-t2": ("fused", "PackedWNA16"), "lqe-w4a16-fused-t8": ("fused", "PackedWNA16"),
-            "lqe-w4a16-fused-ring": ("ring", "PackedWNA16")}
+            "lqe-w4a16-fused-ring": ("ring", "PackedWNA16"),
+            "lqe-w4a16-fused-pdl": ("fused", "PackedWNA16", "pdl"),
+            "lqe-w4a16-fused-ring-pdl": ("ring", "PackedWNA16", "pdl")}
+    monkeypatch.setattr(k4, "pdl_supported", lambda device: True)  # (sm_90+ only: the rows launch with pdl=True)
     out = {}
     kb.add_w4a16_rows(out, 256, 128, dev="cpu")
-    assert _layouts(out, calls) == {nm: v for nm, v in want.items()
-                                    if nm not in k4.FUSED_SPLIT_ROWS and nm != k4.FUSED_RING_ROW}
+    assert _layouts(out, calls) == {nm: v for nm, v in want.items() if nm not in k4.SMALL_M_ROWS}
     out = k4.w4a16_candidates(256, 128, kb.rotating, kb.cycler, dev="cpu")
     assert _layouts(out, calls) == {nm: v for nm, v in want.items() if nm in out}
     assert {"lqe-w4a16", "lqe-w4a16-dequant", "triton-wna16", "triton-wna16-swap", "lqe-w4a16-mma",
-            "triton-dequant-l2+cublas", "lqe-w4a16-mma-2cta", *k4.FUSED_SPLIT_ROWS, k4.FUSED_RING_ROW} <= set(out)
+            "triton-dequant-l2+cublas", "lqe-w4a16-mma-2cta", *k4.SMALL_M_ROWS} <= set(out)
 
 
 def test_a_rows_run_keeps_the_other_rows_of_the_file(tmp_path):

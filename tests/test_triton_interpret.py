@@ -98,7 +98,7 @@ def test_attention_kernels_compile_for_hopper_without_a_gpu():
     common = dict(GROUP=4, HEAD_DIM=128, PAGE=16, BLOCK_D=128, DOT_F32=False, PRECISION=None, QUANT=False)
     kernels = [
         compile_kernel(ta._prefill_kernel, types, dict(common, BLOCK_M=64, BLOCK_N=64, PACK=4, DENSE=False)),
-        compile_kernel(ta._decode_kernel, types, dict(common, NUM_SPLITS=4, BLOCK_H=16, BLOCK_N=64, V_ASM=0)),
+        compile_kernel(ta._decode_kernel, types, dict(common, NUM_SPLITS=4, BLOCK_H=16, BLOCK_N=64, V_ASM=0, PDL=False)),
     ]
     for k in kernels:
         ptx = k.asm["ptx"]

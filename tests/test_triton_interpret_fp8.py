@@ -91,7 +91,7 @@ def test_fp8_attention_kernels_compile_for_hopper_without_a_gpu(kv_type):
     common = dict(GROUP=4, HEAD_DIM=128, PAGE=16, BLOCK_D=128, DOT_F32=False, PRECISION=None, QUANT=True)
     attn = [
         compile_kernel(ta._prefill_kernel, types, dict(common, BLOCK_M=64, BLOCK_N=64, PACK=4, DENSE=False)),
-        compile_kernel(ta._decode_kernel, types, dict(common, NUM_SPLITS=4, BLOCK_H=16, BLOCK_N=64, V_ASM=1)),
+        compile_kernel(ta._decode_kernel, types, dict(common, NUM_SPLITS=4, BLOCK_H=16, BLOCK_N=64, V_ASM=1, PDL=False)),
     ]
     # decode widens V in registers by inline PTX (e4m3x2 / e5m2x2 pairs), so V reaches shared memory as 16-bit data:
     # no single-byte shared loads (an fp8 V widened by .to() was read byte by byte into the dot operand: 64 per tile)
@@ -100,7 +100,7 @@ def test_fp8_attention_kernels_compile_for_hopper_without_a_gpu(kv_type):
     assert "ld.shared.b8" not in dec and "ld.shared.u8" not in dec, "V read from shared memory byte by byte"
     fmax = 448.0 if kv_type == "fp8e4nv" else 57344.0
     store = compile_kernel(ta._store_kv_kernel, types, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128,
-                                                            QUANT=True, FP8_MAX=fmax))
+                                                            QUANT=True, FP8_MAX=fmax, PDL=False))
     for k in attn:
         ptx = k.asm["ptx"]
         assert "mma" in ptx, "the attention kernels should use tensor cores"

@@ -2,7 +2,8 @@
 # Issue 24 stage: lqe-w4a16-mma (csrc/gemm/w4a16_mma.cu). `bash benchmarks/run_gpu.sh --w4a16`, one device call:
 #   1. build the CUDA kernels for this GPU (common.sh),
 #   2. tests: the lqe-w4a16-mma GPU tests (every W4/W8 format, group size, M, stripes, graphs, the layer path, and
-#      a W4A16 model through the engine on the mma table: graphs give the eager tokens),
+#      a W4A16 model through the engine on the mma table: graphs give the eager tokens), lqe-wna16-ring against the
+#      default GEMV and programmatic dependent launch against none (kernels and models: the same bits),
 #   3. sweep: the W4A16 M sweep on the four Llama-3-8B shapes (M = 1 .. 1024): lqe-w4a16-mma and its dequantize +
 #      cuBLAS beside the layer path lqe-w4a16, torch int4pack, triton-wna16, triton-wna16-swap, dequant + cuBLAS and cuBLAS bf16,
 #      with bytes floors; it prints the WNA16_MMA_TABLE the measurement implies -> $OUTDIR/kernels-w4a16-<gpu>.json
@@ -12,7 +13,8 @@
 #   4. e2e: the llama3-8b shape, bf16 and w4a16 (dispatch.WNA16_TABLE: set it from step 3's implied table first)
 #      in the same run, no eager columns, LQE_W4A16_REQUESTS (default 32) requests -> $OUTDIR/e2e-<gpu>.json, rows
 #      saved variant by variant. LQE_W4A16_VARIANTS adds w4a16-mma / w4a16-swap / w4a16-ring (the same checkpoint on
-#      dispatch.WNA16_MMA_TABLE / WNA16_SWAP_TABLE / WNA16_RING_TABLE; each ~1 min more). A 16 GB checkpoint is built first on a fresh
+#      dispatch.WNA16_MMA_TABLE / WNA16_SWAP_TABLE / WNA16_RING_TABLE) and w4a16-pdl / w4a16-ring-pdl (LQE_PDL=1:
+#      programmatic dependent launch; each ~1 min more). A 16 GB checkpoint is built first on a fresh
 #      machine, so this is a call of its own (the last step: its limit is what is left of the budget):
 #      LQE_SKIP="tests sweep" bash benchmarks/run_gpu.sh --w4a16
 # then $OUTDIR/w4a16-stage-<gpu>.json (exit codes, seconds). Time limits (s): LQE_TEST_TIMEOUT (240),
@@ -22,7 +24,9 @@ t0=$(date +%s)
 rc_tests=-1; rc_sweep=-1; rc_e2e=-1
 if [[ $BUILD_RC -eq 0 ]]; then
   if ! skip tests; then
-    LQE_TEST_TIMEOUT=${LQE_TEST_TIMEOUT:-240} run_tests w4a16 tests/gpu/test_gemm_w4a16_mma.py tests/gpu/test_w4a16_mma_models.py
+    LQE_TEST_TIMEOUT=${LQE_TEST_TIMEOUT:-240} run_tests w4a16 tests/gpu/test_gemm_w4a16_mma.py tests/gpu/test_w4a16_mma_models.py \
+      tests/gpu/test_gemm_wna16.py::test_ring_equals_the_register_buffered_gemv \
+      tests/gpu/test_gemm_wna16.py::test_pdl_gives_the_same_outputs tests/gpu/test_pdl_models.py
     rc_tests=$?
   fi
   if ! skip sweep; then

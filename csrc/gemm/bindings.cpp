@@ -36,7 +36,7 @@ void raise_if(const char* err) {
 at::Tensor wna16_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                       const c10::optional<at::Tensor>& zeros, const c10::optional<at::Tensor>& bias, at::Tensor out,
                       int64_t bits, int64_t group_size, int64_t slabs_per_split, const at::Tensor& counters,
-                      bool ring) {
+                      bool ring, bool pdl) {
   const c10::cuda::CUDAGuard guard(x.device());
   const auto dt = act_dtype(x);
   check(x, "x", x); check(qweight, "qweight", x); check(scales, "scales", x); check(out, "out", x);
@@ -57,7 +57,8 @@ at::Tensor wna16_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::
                                   opt_ptr(zeros, "zeros", x), opt_ptr(bias, "bias", x), out.data_ptr(),
                                   splits > 1 ? ws.data_ptr<float>() : nullptr,
                                   splits > 1 ? counters.data_ptr<int>() : nullptr, (int)M, (int)N, (int)K,
-                                  (int)group_size, (int)slabs_per_split, ring, c10::cuda::getCurrentCUDAStream()));
+                                  (int)group_size, (int)slabs_per_split, ring, pdl,
+                                  c10::cuda::getCurrentCUDAStream()));
   return out;
 }
 
@@ -194,7 +195,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("wna16_gemm", &wna16_gemm, pybind11::arg("x"), pybind11::arg("qweight"), pybind11::arg("scales"),
         pybind11::arg("zeros"), pybind11::arg("bias"), pybind11::arg("out"), pybind11::arg("bits"),
         pybind11::arg("group_size"), pybind11::arg("slabs_per_split"), pybind11::arg("counters"),
-        pybind11::arg("ring") = false);
+        pybind11::arg("ring") = false, pybind11::arg("pdl") = false);
   m.def("wna16_dequant", &wna16_dequant);
   m.def("w4a16_mma_gemm", &w4a16_mma_gemm);
   m.def("w4a16_mma_dequant", &w4a16_mma_dequant);

@@ -42,6 +42,43 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
+// Programmatic dependent launch (PDL, sm_90+). A kernel launched with launch_pdl (below) may start while the kernel
+// before it on the stream still runs: it may read what no kernel writes (weights, scales, zero points) before
+// pdl_wait(), and nothing else. pdl_wait() returns once the grid before it has completed and its writes are
+// visible. Every thread of every block of a PDL kernel calls it (an early exit too) before it exits, so the
+// ordering stays transitive: a grid that skipped the wait could complete before its own predecessor, and the grid
+// after it would then run beside that predecessor (two split-K GEMVs on one workspace). pdl_launch_dependents()
+// lets the next kernel's blocks be scheduled once every block here has called it (they then wait in pdl_wait()).
+// Both are no-ops in a kernel launched without the attribute, and compiled out below sm_90.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Launch kernel<<<grid, block, 0, st>>>(args...), with the programmatic-stream-serialization attribute when pdl
+// (the caller asks only on sm_90+; lqe.kernels.device_info.pdl_enabled). Captured into a CUDA graph as a
+// programmatic edge.
+template <typename... KArgs, typename... Args>
+void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, cudaStream_t st, bool pdl, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = st;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
+}
+
 template <int LUT>
 __device__ __forceinline__ uint32_t lop3(uint32_t a, uint32_t b, uint32_t c) {
   uint32_t d;

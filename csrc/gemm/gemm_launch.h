@@ -17,10 +17,13 @@ constexpr int kW8a8BlockN = 256;
 // y[M,N] = x[M,K] @ W, W in the repacked 4/8-bit layout. When splits > 1, ws holds splits*M*N floats and
 // counters >= gridDim.x*gridDim.y ints that are zero (the kernel leaves them zero).
 // slabs_per_split: K/16 slabs per split, a multiple of 4; splits = ceil((K/16) / slabs_per_split). ring: at M <= 16
-// the weights stream through a per-warp cp.async ring (the "lqe-wna16-ring" candidate; same results).
+// the weights stream through a per-warp cp.async ring (the "lqe-wna16-ring" candidate; same results). pdl:
+// launched with programmatic dependent launch (sm_90+ only): its first weight batches are requested while the
+// kernel before it on the stream finishes (gemm_common.cuh pdl_wait; same results).
 const char* launch_wna16_gemm(DType dt, int bits, const void* x, const void* qweight, const void* scales,
                               const void* zeros, const void* bias, void* out, float* ws, int* counters, int M,
-                              int N, int K, int group_size, int slabs_per_split, bool ring, cudaStream_t stream);
+                              int N, int K, int group_size, int slabs_per_split, bool ring, bool pdl,
+                              cudaStream_t stream);
 
 // W[K,N] (row-major, in the repacked K order) = dequantized weights, for the dequantize + cuBLAS path.
 const char* launch_wna16_dequant(DType dt, int bits, const void* qweight, const void* scales, const void* zeros,

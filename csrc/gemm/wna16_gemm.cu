@@ -43,6 +43,13 @@ __global__ void __launch_bounds__(kWna16Threads) wna16_gemm_kernel(
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
 
+  // PDL (gemm_common.cuh): the weights of the first batches are requested before pdl_wait(); the activations, the
+  // split-K workspace and counters, the bias and C only after it. Every thread waits, on every path.
+  auto pdl_ready = [] {
+    pdl_wait();
+    pdl_launch_dependents();
+  };
+  if (nt >= ntiles) pdl_ready();
   if (nt < ntiles) {
     const uint4* bp = B + ((size_t)ks0 * ntiles + nt) * 32 * V4 + lane * V4;
     const size_t bstride = (size_t)ntiles * 32 * V4;
@@ -141,6 +148,7 @@ __global__ void __launch_bounds__(kWna16Threads) wna16_gemm_kernel(
       };
 #pragma unroll
       for (int st = 0; st < NS - 1; ++st) issue(st);
+      pdl_ready();  // (the first NS - 1 weight batches are in flight: they read no earlier kernel's output)
       uint32_t w[kUnroll][4 * V4];
       for (int ks = ks0; ks < ks1; ks += NS * kUnroll) {
 #pragma unroll
@@ -167,6 +175,7 @@ __global__ void __launch_bounds__(kWna16Threads) wna16_gemm_kernel(
       // they are written). At larger MT the second buffer would crowd the accumulators out of registers.
       uint32_t w0[kUnroll][4 * V4], w1[kUnroll][4 * V4];
       if (ks0 < ks1) load_w(w0, ks0);
+      pdl_ready();
       for (int ks = ks0; ks < ks1; ks += 2 * kUnroll) {
         if (ks + kUnroll < ks1) load_w(w1, ks + kUnroll);
         compute(w0, ks);
@@ -175,6 +184,7 @@ __global__ void __launch_bounds__(kWna16Threads) wna16_gemm_kernel(
         compute(w1, ks + kUnroll);
       }
     } else {
+      pdl_ready();
       for (int ks = ks0; ks < ks1; ks += kUnroll) {
         uint32_t w[kUnroll][4 * V4];
         load_w(w, ks);
@@ -270,28 +280,27 @@ __global__ void wna16_dequant_kernel(const uint4* __restrict__ B, const T* __res
 
 template <typename T, int BITS, int MT, bool ZP, bool RING = false>
 void run_gemm(const void* x, const void* qw, const void* s, const void* z, const void* bias, void* out, float* ws,
-              int* counters, int M, int N, int K, int gs, int spp, cudaStream_t st) {
+              int* counters, int M, int N, int K, int gs, int spp, bool pdl, cudaStream_t st) {
   const int splits = (K / 16 + spp - 1) / spp;
   dim3 grid((N + kWna16BlockN - 1) / kWna16BlockN, (M + MT * 16 - 1) / (MT * 16), splits);
-  wna16_gemm_kernel<T, BITS, MT, ZP, RING><<<grid, kWna16Threads, 0, st>>>(
-      (const T*)x, (const uint4*)qw, (const T*)s, (const T*)z, (const T*)bias, (T*)out, ws, counters, M, N, K,
-      gs, spp);
+  launch_pdl(wna16_gemm_kernel<T, BITS, MT, ZP, RING>, grid, dim3(kWna16Threads), st, pdl, (const T*)x,
+             (const uint4*)qw, (const T*)s, (const T*)z, (const T*)bias, (T*)out, ws, counters, M, N, K, gs, spp);
 }
 
 template <typename T, int BITS, bool ZP>
 void run_gemm_mt(const void* x, const void* qw, const void* s, const void* z, const void* bias, void* out,
-                 float* ws, int* counters, int M, int N, int K, int gs, int spp, bool ring, cudaStream_t st) {
-  if (M <= 16 && ring) run_gemm<T, BITS, 1, ZP, true>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, st);
-  else if (M <= 16) run_gemm<T, BITS, 1, ZP>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, st);
-  else if (M <= 32) run_gemm<T, BITS, 2, ZP>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, st);
-  else run_gemm<T, BITS, 4, ZP>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, st);
+                 float* ws, int* counters, int M, int N, int K, int gs, int spp, bool ring, bool pdl, cudaStream_t st) {
+  if (M <= 16 && ring) run_gemm<T, BITS, 1, ZP, true>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, pdl, st);
+  else if (M <= 16) run_gemm<T, BITS, 1, ZP>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, pdl, st);
+  else if (M <= 32) run_gemm<T, BITS, 2, ZP>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, pdl, st);
+  else run_gemm<T, BITS, 4, ZP>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, pdl, st);
 }
 
 template <typename T, int BITS>
 void run_typed(const void* x, const void* qw, const void* s, const void* z, const void* bias, void* out, float* ws,
-               int* counters, int M, int N, int K, int gs, int spp, bool ring, cudaStream_t st) {
-  if (z) run_gemm_mt<T, BITS, true>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, ring, st);
-  else run_gemm_mt<T, BITS, false>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, ring, st);
+               int* counters, int M, int N, int K, int gs, int spp, bool ring, bool pdl, cudaStream_t st) {
+  if (z) run_gemm_mt<T, BITS, true>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, ring, pdl, st);
+  else run_gemm_mt<T, BITS, false>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, ring, pdl, st);
 }
 
 template <typename T, int BITS>
@@ -314,16 +323,16 @@ const char* check_shape(int bits, int N, int K, int gs) {
 
 const char* launch_wna16_gemm(DType dt, int bits, const void* x, const void* qweight, const void* scales,
                               const void* zeros, const void* bias, void* out, float* ws, int* counters, int M,
-                              int N, int K, int group_size, int spp, bool ring, cudaStream_t st) {
+                              int N, int K, int group_size, int spp, bool ring, bool pdl, cudaStream_t st) {
   if (const char* e = check_shape(bits, N, K, group_size)) return e;
   if (spp <= 0 || spp % kUnroll != 0) return "slabs_per_split must be a positive multiple of 4";
   if (M <= 0) return nullptr;
   if (dt == DType::kHalf) {
-    if (bits == 4) run_typed<half, 4>(x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, group_size, spp, ring, st);
-    else run_typed<half, 8>(x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, group_size, spp, ring, st);
+    if (bits == 4) run_typed<half, 4>(x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, group_size, spp, ring, pdl, st);
+    else run_typed<half, 8>(x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, group_size, spp, ring, pdl, st);
   } else {
-    if (bits == 4) run_typed<__nv_bfloat16, 4>(x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, group_size, spp, ring, st);
-    else run_typed<__nv_bfloat16, 8>(x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, group_size, spp, ring, st);
+    if (bits == 4) run_typed<__nv_bfloat16, 4>(x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, group_size, spp, ring, pdl, st);
+    else run_typed<__nv_bfloat16, 8>(x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, group_size, spp, ring, pdl, st);
   }
   return nullptr;
 }

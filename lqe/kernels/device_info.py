@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -44,3 +45,33 @@ def cuda_fault() -> str | None:
     except Exception as e:  # noqa: BLE001 -- whatever the runtime raises is the answer
         return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+PDL_ENV = "LQE_PDL"
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Launch the kernels that support it with programmatic dependent launch (PDL): ``LQE_PDL=1`` on a CUDA device
+    of compute capability 9.0 or later (Hopper). Such a kernel is scheduled while the kernel before it on the stream
+    still runs and requests its weights before it waits for that kernel's results (``pdl_wait`` in
+    csrc/gemm/gemm_common.cuh), hiding the launch and the first DRAM round trip of each call of a decode step. Same
+    results either way (tests/gpu/test_gemm_wna16.py). Off by default: NOT MEASURED yet (kernel rows
+    ``lqe-w4a16-fused-pdl`` / ``lqe-w4a16-fused-ring-pdl``, e2e variant ``w4a16-pdl``); read per call, as
+    ``LQE_WNA16_TABLE`` is, so a benchmark can compare both in one process. Any other value than ``0`` / ``1`` /
+    unset is an error naming them."""
+    value = os.environ.get(PDL_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{PDL_ENV}={value!r}: use 1 (programmatic dependent launch on sm_90+) or 0 / unset (off)")
+    return value == "1" and pdl_supported(device)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9.0 or later (``griddepcontrol``)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9

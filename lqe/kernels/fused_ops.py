@@ -21,6 +21,8 @@ import torch.nn.functional as F
 try:
     import triton
     import triton.language as tl
+
+    from lqe.kernels.triton_pdl import pdl_args, pdl_start
     HAS_TRITON = True
 except Exception:  # noqa: BLE001 -- any failure to import means "no triton"
     HAS_TRITON = False
@@ -93,7 +95,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _rms_norm_kernel(X, R, W, Out, ROut, stride_x, stride_r, stride_o, stride_ro, n, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < n
@@ -101,7 +104,8 @@ if HAS_TRITON:
         tl.store(Out + row * stride_o + offs, y.to(Out.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _silu_and_mul_kernel(X, Out, stride_x, stride_o, n, BLOCK: tl.constexpr):
+    def _silu_and_mul_kernel(X, Out, stride_x, stride_o, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
@@ -111,7 +115,8 @@ if HAS_TRITON:
     @triton.jit
     def _rotary_kernel(Pos, X, Out, CosSin, stride_x, stride_o, stride_cs, num_heads,
                        HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
+                       BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
         t = tl.program_id(0).to(tl.int64)
         pos = tl.load(Pos + t).to(tl.int64)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -161,7 +166,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     block, warps = rms_norm_launch(n)
     _rms_norm_kernel[(x2.shape[0],)](
         x2, r2, weight, out, r_out, x2.stride(0), r2.stride(0), out.stride(0), r_out.stride(0), n, float(eps),
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=warps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=warps, **pdl_args(x.device),
     )
     out = out.view(shape)
     return out if residual is None else (out, r_out.view(shape))
@@ -174,7 +179,8 @@ def silu_and_mul(x: torch.Tensor, use_triton: bool | None = None) -> torch.Tenso
     x2 = _rows(x, "x")
     out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(n))
-    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, x2.stride(0), out.stride(0), n, BLOCK=block)
+    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, x2.stride(0), out.stride(0), n, BLOCK=block,
+                                                                **pdl_args(x.device))
     return out.view(*x.shape[:-1], n)
 
 
@@ -195,7 +201,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
         _rotary_kernel[(x2.shape[0], triton.cdiv(heads, block_h))](
             positions, x2, out, cos_sin, x2.stride(0), out.stride(0), cos_sin.stride(0), heads,
             HEAD_DIM=head_dim, HALF=half, BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(half),
-            BLOCK_REST=triton.next_power_of_2(rest) if rest else 0,
+            BLOCK_REST=triton.next_power_of_2(rest) if rest else 0, **pdl_args(x.device),
         )
         outs.append(out)
     return outs[0], outs[1]

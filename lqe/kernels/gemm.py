@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from lqe.kernels import build, dispatch
-from lqe.kernels.device_info import device_key, sm_count as device_sm_count
+from lqe.kernels.device_info import device_key, pdl_enabled, pdl_supported, sm_count as device_sm_count
 from lqe.kernels import gemm_mma
 from lqe.kernels.repack import PackedWNA16, repack_wna16, wna16_unsupported
 from lqe.kernels.repack_mma import PackedMMA, mma_unsupported, repack_mma
@@ -181,11 +181,13 @@ def kernel_for(m: int, device: torch.device, mma_layout: bool = False) -> str:
 
 def wna16_gemm(x: torch.Tensor, packed: PackedWNA16, bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None, splits: int | None = None, path: str = "auto",
-               config=None) -> torch.Tensor:
+               config=None, pdl: bool | None = None) -> torch.Tensor:
     """``x @ W (+ bias)`` for ``x [..., K]`` fp16/bf16 and a repacked 4/8-bit weight. ``path``: ``auto``
     (``dispatch.WNA16_TABLE``), a table kernel name, or the older ``fused`` (CUDA GEMM) / ``dequant`` (CUDA
     dequantize + cuBLAS) / ``cuda`` (CUDA, fused up to :data:`LARGE_M_THRESHOLD` tokens) / ``triton`` (=
-    ``triton-wna16``). ``splits`` applies to the CUDA GEMM, ``config`` (a ``WNA16Config``) to the Triton GEMM."""
+    ``triton-wna16``). ``splits`` applies to the CUDA GEMM, ``config`` (a ``WNA16Config``) to the Triton GEMM.
+    ``pdl`` launches the CUDA GEMM with programmatic dependent launch (sm_90+; None: ``LQE_PDL``, see
+    :func:`lqe.kernels.device_info.pdl_enabled`)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, packed.k)
     if x2.dtype != packed.scales.dtype:
@@ -225,8 +227,11 @@ def wna16_gemm(x: torch.Tensor, packed: PackedWNA16, bias: torch.Tensor | None =
         e = _ext()
         spp = plan_slabs_per_split(m, packed.n, packed.k, x2.device, 16, 4, splits)
         cnt = counters(x2.device, math.ceil(packed.n / BLOCK_N) * math.ceil(m / 16))
+        # pdl: LQE_PDL=1 on sm_90+ (device_info.pdl_enabled), or a benchmark's explicit choice
+        if pdl and not pdl_supported(x2.device):
+            raise ValueError(f"pdl=True needs a CUDA device of compute capability 9.0 or later, not {x2.device}")
         e.wna16_gemm(x2, packed.qweight, packed.scales, packed.zeros, bias, out, packed.bits, packed.group_size,
-                     spp, cnt, name == "lqe-wna16-ring")
+                     spp, cnt, name == "lqe-wna16-ring", pdl_enabled(x2.device) if pdl is None else pdl)
     else:
         raise ValueError(f"unknown W4A16 path {path!r}")
     return out.view(*lead, packed.n)

@@ -30,6 +30,7 @@ from lqe.forward_context import AttentionMetadata
 from lqe.kernels.attention_plan import choose_num_splits
 from lqe.kernels.prefill_tiles import step_plan
 from lqe.kernels.triton_kv_store import _check_cache, _scales, _store_kv_kernel, store_kv  # noqa: F401 (re-exported)
+from lqe.kernels.triton_pdl import pdl_args, pdl_start
 
 _LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -208,8 +209,9 @@ def _decode_kernel(Q, KV, KVW, Out, PartOut, PartLse, BlockTables, QueryStart, S
                    stride_bt, stride_pb, stride_ph, stride_ps, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
-                   V_ASM: tl.constexpr):
+                   V_ASM: tl.constexpr, PDL: tl.constexpr):
     """One program per (sequence, KV head, split): all ``GROUP`` query heads of a KV head share its loads."""
+    pdl_start(PDL)  # (lqe.kernels.triton_pdl: before every load and exit)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -282,7 +284,8 @@ def _decode_kernel(Q, KV, KVW, Out, PartOut, PartLse, BlockTables, QueryStart, S
 @triton.jit
 def _decode_reduce_kernel(Out, PartOut, PartLse, QueryStart, stride_ot, stride_oh, stride_pb, stride_ph,
                           stride_ps, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                          BLOCK_D: tl.constexpr):
+                          BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     q_start = tl.load(QueryStart + b)
@@ -421,10 +424,12 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         meta.block_tables.stride(0), *p_strides, GROUP=group, HEAD_DIM=head_dim, PAGE=page,
         NUM_SPLITS=splits, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, DOT_F32=dot_f32, PRECISION=precision,
         QUANT=quant, V_ASM=v_asm, num_warps=4, num_stages=2, **_decode_launch_opts(quant, query.dtype),
+        **pdl_args(query.device),
     )
     if splits > 1:
         _decode_reduce_kernel[(b, num_heads)](
             out, part_out, part_lse, meta.query_start_loc, out.stride(0), out.stride(1), *p_strides,
             HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+            **pdl_args(query.device),
         )
     return out

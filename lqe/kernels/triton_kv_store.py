@@ -9,12 +9,15 @@ import triton
 import triton.language as tl
 
 from lqe.kernels.attention_ref import fp8_max, is_fp8
+from lqe.kernels.triton_pdl import pdl_args, pdl_start
 
 
 @triton.jit
 def _store_kv_kernel(K, V, KV, Slots, KScale, VScale, stride_kt, stride_kh, stride_vt, stride_vh, stride_kv,
                      stride_slot, stride_ch, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl_start(PDL)  # (lqe.kernels.triton_pdl: before every load and the early exit)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(Slots + t).to(tl.int64)
     if slot < 0:
@@ -60,7 +63,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
         key, value, kv_cache, slot_mapping, ks, vs, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
         NUM_KV_HEADS=kvh, HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(kvh), BLOCK_D=triton.next_power_of_2(d),
-        QUANT=quant, FP8_MAX=fmax,
+        QUANT=quant, FP8_MAX=fmax, **pdl_args(key.device),
     )
 
 

@@ -87,6 +87,56 @@ def test_ring_equals_the_register_buffered_gemv(dtype, bits, gs, asym, m, splits
     check(ring, reference(x, cw, bias), k)
 
 
+def _pdl_chain(layers, x, path, pdl, splits):
+    """x through the square layers one after another: GEMV after GEMV (each reads the one before's output, the same
+    split-K counters, and a workspace the allocator hands back as the one before frees it), a torch kernel (no PDL)
+    after every second one to keep the values in range."""
+    for i, (packed, bias) in enumerate(layers):
+        x = gemm.wna16_gemm(x, packed, bias, splits=splits, path=path, pdl=pdl)
+        if i % 2:
+            x = x * 0.03
+    return x
+
+
+@pytest.mark.parametrize("path", ["lqe-wna16-fused", "lqe-wna16-ring"])
+@pytest.mark.parametrize("m", [1, 4, 16, 33])
+@pytest.mark.parametrize("splits", [None, 1])
+def test_pdl_gives_the_same_outputs(path, m, splits):
+    """Programmatic dependent launch (pdl=True, sm_90+: each GEMV requests its first weight batches before it waits
+    for the kernel before it) changes no output bit, eager and in a CUDA graph: a chain of six GEMVs where each reads
+    the one before's output (a missing or misplaced pdl_wait reads stale activations or races the split-K workspace
+    and counters). Below sm_90 pdl=True is refused with an error naming the device."""
+    dtype, k = torch.bfloat16, 2048
+    layers = []
+    for i in range(6):
+        cw = canonical(k, k, 4 if i % 3 else 8, 128, bool(i % 2), False, seed=100 + i)
+        kernel, reason = gemm.select_w4a16_kernel(cw, "cuda", dtype)
+        assert kernel is not None, reason
+        layers.append((kernel.packed, torch.randn(k, device="cuda", dtype=dtype) if i % 2 else None))
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    if not gemm.pdl_supported(x.device):
+        with pytest.raises(ValueError, match="compute capability 9.0"):
+            gemm.wna16_gemm(x, layers[0][0], path=path, pdl=True)
+        return
+    want = _pdl_chain(layers, x, path, False, splits)
+    for _ in range(3):
+        assert torch.equal(_pdl_chain(layers, x, path, True, splits), want)
+    xs = x.clone()
+    _pdl_chain(layers, xs, path, True, splits)  # warm-up (workspace and counters allocated) before capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = _pdl_chain(layers, xs, path, True, splits)
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+    xs.copy_(torch.randn(m, k, device="cuda", dtype=dtype))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, _pdl_chain(layers, xs, path, False, splits))
+
+
 @pytest.mark.parametrize("splits", [1, 2, 3, 7, 64])
 @pytest.mark.parametrize("m", [1, 16, 64, 257])
 def test_split_k_counts(splits, m):
