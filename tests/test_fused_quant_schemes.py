@@ -70,11 +70,12 @@ def test_producers_compile_for_hopper(kernel, mode, has_azp):
 
     if kernel == "norm":
         fn = fq._rms_norm_quant_kernel
-        consts = dict(HAS_RESIDUAL=True, MODE=mode, HAS_AZP=has_azp, BLOCK=4096)
+        consts = dict(HAS_RESIDUAL=True, MODE=mode, HAS_AZP=has_azp, BLOCK=4096, PDL=False)
         types = dict(X="*bf16", R="*bf16", W="*bf16", ROut="*bf16", eps="fp32")
     else:
         fn = fq._silu_mul_quant_kernel
-        consts = dict(MODE=mode, HAS_AZP=has_azp, CHUNK=4096, NUM_CHUNKS=4 if kernel == "silu-chunked" else 1)
+        consts = dict(MODE=mode, HAS_AZP=has_azp, CHUNK=4096, NUM_CHUNKS=4 if kernel == "silu-chunked" else 1,
+                      PDL=False)
         types = dict(X="*bf16")
     types.update(Q="*i8", S="*fp32", Z="*i32", SS="*fp32", ZP="*i32")
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}

@@ -451,3 +451,55 @@ def test_fp8_nan_check_catches_a_nan_dropping_clamp():
     with pytest.raises(AssertionError, match="clamp drops NaN"):
         _fp8_nan_safe("old", "\n".join(lines + ["max.f32 \t%r10, %r8, 0fC3E00000;", "min.NaN.f32 %r1, %r2, %r3;"]))
     _fp8_nan_safe("new", "\n".join(lines + ["min.NaN.xorsign.abs.f32 \t%r3, %r8, %r10;"]))
+
+
+@pytest.mark.parametrize("chain", ["int8", "fp8", "w4a16"])
+def test_pdl_quantized_layers_wait_before_any_global_access(chain, monkeypatch, cpu_launches):
+    """The quantized layers' kernels of a decode step under LQE_PDL=1 (lqe.kernels.triton_pdl): the int8 / fp8
+    producers (RMSNorm and SiLU-mul with the quantization fused, the standalone quantizer), the W8A8 / FP8 GEMV and
+    the FP8 GEMM (split-K workspaces and arrival counters shared across launches), and triton-wna16 with its split-K
+    reduction: each launches with launch_pdl and waits ahead of every global load and store in its sm_90 PTX."""
+    from lqe.kernels import fused_quant as fq, fused_quant_fp8 as fq8, repack, triton_act_quant as taq
+    from lqe.kernels import triton_fp8 as tf, triton_gemv_w8a8 as tg, triton_pdl, triton_wna16 as tw
+    from lqe.kernels.canonical import CanonicalWeight
+    from hopper_compile import captured_launches, compile_launch
+
+    if chain == "fp8" and F8 is None:
+        pytest.skip("this torch has no float8_e4m3fn")
+    k, n = SHAPE
+    x, w = torch.randn(4, k, dtype=torch.bfloat16), torch.ones(k, dtype=torch.bfloat16)
+    act = torch.randn(4, 2 * k, dtype=torch.bfloat16)
+
+    def step():
+        if chain == "int8":
+            fq.rms_norm_quant_int8_any(x, w, 1e-5, residual=x.clone(), use_triton=True)
+            fq.silu_mul_quant_int8_any(act, use_triton=True)
+            taq.quant_int8(x, use_triton=True)
+            xq, sa, wq, sw = _int8(4, k, n)
+            tg.gemv_w8a8(xq, sa, wq, sw)
+        elif chain == "fp8":
+            fq8.rms_norm_quant_fp8(x, w, 1e-5, residual=x.clone(), use_triton=True)
+            fq8.silu_mul_quant_fp8(act, use_triton=True)
+            taq.quant_fp8(x, use_triton=True)
+            xq, wq = torch.randn(4, k).div(4).to(F8), torch.randn(n, k).div(4).to(F8)
+            tg.gemv_w8a8(xq, torch.rand(4, 1) + 0.1, wq, torch.rand(n) + 0.1)
+            tf.fp8_mm(xq, torch.rand(4, 1) + 0.1, wq, torch.rand(n) + 0.1)
+        else:
+            g = torch.Generator().manual_seed(0)
+            cw = CanonicalWeight(torch.randint(0, 16, (k, n), dtype=torch.uint8, generator=g),
+                                 torch.rand(k // 128, n, generator=g) * 0.01 + 0.001, None, None, 4, 128)
+            p = repack.repack_wna16(cw, torch.bfloat16)
+            cfg = tw.WNA16Config(16, 64, 128, split_k=4)
+            tw.gemm(torch.randn(8, k, dtype=torch.bfloat16), p, bias=torch.rand(n, dtype=torch.bfloat16), config=cfg)
+
+    want = {"int8": ["_rms_norm_quant_kernel", "_silu_mul_quant_kernel", "_int8_quant_kernel", "_gemv_kernel"],
+            "fp8": ["_rms_norm_quant_fp8_kernel", "_silu_mul_quant_fp8_kernel", "_fp8_quant_kernel", "_gemv_kernel",
+                    "_fp8_mm_kernel"],
+            "w4a16": ["_wna16_gemm_kernel", "_splitk_reduce_kernel"]}[chain]
+    monkeypatch.setattr(triton_pdl, "pdl_enabled", lambda device: True)
+    with captured_launches() as launches:
+        step()
+    assert [launch.name for launch in launches] == want
+    for launch in launches:
+        assert launch.kwargs.get("PDL") is True and launch.kwargs.get("launch_pdl") is True, launch.name
+        _pdl_order(launch.name, compile_launch(launch).asm["ptx"])

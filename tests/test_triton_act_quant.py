@@ -88,11 +88,12 @@ def test_quantizers_compile_for_hopper(variant):
     if kind == "i8":
         fn = taq._int8_quant_kernel
         consts = dict(MODE={"sym": 0, "asym": 1, "static": 2}[mode], HAS_AZP="azp" in rest, CHUNK=4096,
-                      NUM_CHUNKS=chunks)
+                      NUM_CHUNKS=chunks, PDL=False)
         types = {"X": "*bf16", "Q": "*i8", "S": "*fp32", "Z": "*i32", "SS": "*fp32", "ZP": "*i32"}
     else:
         fn = taq._fp8_quant_kernel
-        consts = dict(GROUP=128 if mode == "group" else 0, CHUNK=4096, NUM_CHUNKS=chunks, STATIC=mode == "static")
+        consts = dict(GROUP=128 if mode == "group" else 0, CHUNK=4096, NUM_CHUNKS=chunks, STATIC=mode == "static",
+                      PDL=False)
         types = {"X": "*bf16", "Q": "*fp8e4nv", "S": "*fp32", "SS": "*fp32"}
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),

@@ -211,7 +211,7 @@ def test_wna16_kernels_compile_for_hopper_without_a_gpu():
         asm_dq = 0 if zp or not cfg.swap_ab else 1
         consts = dict(BITS=4, HAS_ZP=zp, HAS_BIAS=True, MAGIC=0x4300, MAGIC_C=128.0, FACTORED=cfg.factored,
                       EVEN_K=True, EVEN_N=True, SPLIT=False, DOT_F32=False, SWAP_AB=cfg.swap_ab, BM=cfg.block_m,
-                      BN=cfg.block_n, BK=cfg.block_k, GROUP_M=8, ASM_DQ=asm_dq, GS_SHIFT=7)
+                      BN=cfg.block_n, BK=cfg.block_k, GROUP_M=8, ASM_DQ=asm_dq, GS_SHIFT=7, PDL=False)
         k = compile_kernel(tw._wna16_gemm_kernel, consts, cfg.num_warps, cfg.num_stages)
         ptx = k.asm["ptx"]
         assert "mma" in ptx, f"{cfg.label()}: no tensor-core instruction"

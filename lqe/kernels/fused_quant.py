@@ -43,6 +43,7 @@ from __future__ import annotations
 import torch
 
 from lqe.kernels.fused_ops import HAS_TRITON, _rows, _triton_ok, rms_norm_launch, rms_norm_torch, silu_and_mul_torch
+from lqe.kernels.triton_pdl import pdl_args, pdl_start
 
 if HAS_TRITON:
     import triton
@@ -170,7 +171,8 @@ if HAS_TRITON:
     @triton.jit
     def _rms_norm_quant_kernel(X, R, W, Q, S, Z, SS, ZP, ROut, stride_x, stride_r, stride_q, stride_ro, n, eps,
                                HAS_RESIDUAL: tl.constexpr, MODE: tl.constexpr, HAS_AZP: tl.constexpr,
-                               BLOCK: tl.constexpr):
+                               BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)  # (lqe.kernels.triton_pdl)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < n
@@ -184,7 +186,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _silu_mul_quant_kernel(X, Q, S, Z, SS, ZP, stride_x, stride_q, n, MODE: tl.constexpr, HAS_AZP: tl.constexpr,
-                               CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr):
+                               CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)  # (lqe.kernels.triton_pdl)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, CHUNK)
         hi = tl.full([CHUNK], float("-inf"), tl.float32) if MODE == 1 else tl.zeros([CHUNK], dtype=tl.float32)
@@ -255,6 +258,7 @@ def rms_norm_quant_int8_any(x: torch.Tensor, weight: torch.Tensor, eps: float, r
         x2, r2, weight, q, q if s_out is None else s_out, q if z_out is None else z_out, q if scale is None else scale,
         q if azp is None else azp, r_out, x2.stride(0), r2.stride(0), q.stride(0), r_out.stride(0), n, float(eps),
         HAS_RESIDUAL=residual is not None, MODE=mode, HAS_AZP=azp is not None, BLOCK=block, num_warps=warps,
+        **pdl_args(x.device),
     )
     lead = shape[:-1]
     return (q.view(shape), scale if mode == STATIC else s_out.view(*lead, 1),
@@ -278,7 +282,7 @@ def silu_mul_quant_int8_any(x: torch.Tensor, symmetric: bool = True, scale: torc
     _silu_mul_quant_kernel[(m,)](x2, q, q if s_out is None else s_out, q if z_out is None else z_out,
                                  q if scale is None else scale, q if azp is None else azp, x2.stride(0), q.stride(0), n,
                                  MODE=mode, HAS_AZP=azp is not None, CHUNK=chunk, NUM_CHUNKS=triton.cdiv(n, chunk),
-                                 num_warps=min(8, max(1, chunk // 256)))
+                                 num_warps=min(8, max(1, chunk // 256)), **pdl_args(x.device))
     lead = x.shape[:-1]
     return (q.view(*lead, n), scale if mode == STATIC else s_out.view(*lead, 1),
             azp if mode == STATIC else (None if z_out is None else z_out.view(*lead, 1)))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from lqe.kernels.fused_ops import HAS_TRITON, _rows, _triton_ok, rms_norm_launch, rms_norm_torch, silu_and_mul_torch
+from lqe.kernels.triton_pdl import pdl_args, pdl_start
 
 if HAS_TRITON:
     import triton
@@ -109,7 +110,8 @@ if HAS_TRITON:
     @triton.jit
     def _rms_norm_quant_fp8_kernel(X, R, W, Q, S, ROut, stride_x, stride_r, stride_q, stride_s, stride_ro, n, eps, SS,
                                    HAS_RESIDUAL: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
-                                   STATIC: tl.constexpr):
+                                   STATIC: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)  # (lqe.kernels.triton_pdl)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < n
@@ -121,7 +123,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _silu_mul_quant_fp8_kernel(X, Q, S, stride_x, stride_q, stride_s, n, SS, GROUP: tl.constexpr,
-                                   CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, STATIC: tl.constexpr):
+                                   CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, STATIC: tl.constexpr,
+                                   PDL: tl.constexpr):
+        pdl_start(PDL)  # (lqe.kernels.triton_pdl)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, CHUNK)
         if GROUP != 0:  # groups never straddle chunks (CHUNK % GROUP == 0): one pass
@@ -185,7 +189,7 @@ def rms_norm_quant_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residu
     _rms_norm_quant_fp8_kernel[(m,)](
         x2, r2, weight, q, out_scale, r_out, x2.stride(0), r2.stride(0), q.stride(0), out_scale.stride(0) if scale is
         None else 0, r_out.stride(0), n, float(eps), out_scale, HAS_RESIDUAL=residual is not None, GROUP=group,
-        BLOCK=block, STATIC=scale is not None, num_warps=warps)
+        BLOCK=block, STATIC=scale is not None, num_warps=warps, **pdl_args(x.device))
     r = r_out.view(shape) if residual is not None else None
     return (q.view(shape), scale, r) if scale is not None else (q.view(shape), out_scale.view(*shape[:-1], ns), r)
 
@@ -206,7 +210,8 @@ def silu_mul_quant_fp8(x: torch.Tensor, group: int = 0, use_triton: bool | None 
     chunk = max(chunk or min(SILU_CHUNK, triton.next_power_of_2(n)), group)
     _silu_mul_quant_fp8_kernel[(m,)](x2, q, out_scale, x2.stride(0), q.stride(0), out_scale.stride(0) if scale is None
                                      else 0, n, out_scale, GROUP=group, CHUNK=chunk, NUM_CHUNKS=triton.cdiv(n, chunk),
-                                     STATIC=scale is not None, num_warps=min(8, max(1, chunk // 256)))
+                                     STATIC=scale is not None, num_warps=min(8, max(1, chunk // 256)),
+                                     **pdl_args(x.device))
     if scale is not None:
         return q.view(*x.shape[:-1], n), scale
     return q.view(*x.shape[:-1], n), out_scale.view(*x.shape[:-1], ns)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from lqe.kernels.fused_ops import HAS_TRITON, _triton_ok
+from lqe.kernels.triton_pdl import pdl_args, pdl_start
 
 if HAS_TRITON:
     import triton
@@ -69,7 +70,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _int8_quant_kernel(X, Q, S, Z, SS, ZP, stride_x, stride_q, n, MODE: tl.constexpr, HAS_AZP: tl.constexpr,
-                           CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr):
+                           CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)  # (lqe.kernels.triton_pdl)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, CHUNK)
         hi = tl.full([CHUNK], float("-inf"), tl.float32) if MODE == 1 else tl.zeros([CHUNK], dtype=tl.float32)
@@ -100,7 +102,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _fp8_quant_kernel(X, Q, S, SS, stride_x, stride_q, stride_s, n, GROUP: tl.constexpr, CHUNK: tl.constexpr,
-                          NUM_CHUNKS: tl.constexpr, STATIC: tl.constexpr):
+                          NUM_CHUNKS: tl.constexpr, STATIC: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)  # (lqe.kernels.triton_pdl)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, CHUNK)
         if GROUP != 0:  # groups never straddle chunks (CHUNK % GROUP == 0): one pass
@@ -170,7 +173,8 @@ def quant_int8(x: torch.Tensor, symmetric: bool = True, scale: torch.Tensor | No
     c, nc, warps = _launch(n, chunk)
     _int8_quant_kernel[(m,)](x2, q, q if s_out is None else s_out, q if z_out is None else z_out,
                              q if scale is None else scale, q if azp is None else azp, x2.stride(0), q.stride(0), n,
-                             MODE=mode, HAS_AZP=azp is not None, CHUNK=c, NUM_CHUNKS=nc, num_warps=warps)
+                             MODE=mode, HAS_AZP=azp is not None, CHUNK=c, NUM_CHUNKS=nc, num_warps=warps,
+                             **pdl_args(x.device))
     if mode == STATIC:
         return q, scale, azp
     return q, s_out, z_out
@@ -202,5 +206,5 @@ def quant_fp8(x: torch.Tensor, group: int = 0, scale: torch.Tensor | None = None
     c, nc, warps = _launch(n, chunk, group)
     _fp8_quant_kernel[(m,)](x2, q, out_scale, out_scale, x2.stride(0), q.stride(0),
                             out_scale.stride(0) if scale is None else 0, n, GROUP=group, CHUNK=c, NUM_CHUNKS=nc,
-                            STATIC=scale is not None, num_warps=warps)
+                            STATIC=scale is not None, num_warps=warps, **pdl_args(x.device))
     return q, out_scale

@@ -24,6 +24,7 @@ import torch
 
 from lqe.kernels.device_info import sm_count
 from lqe.kernels.triton_gemm_common import SplitKWorkspace, gemm_io, nonempty_splits
+from lqe.kernels.triton_pdl import pdl_args, pdl_start
 
 try:
     import triton
@@ -149,7 +150,9 @@ if triton is not None:
                        stride_am, stride_bn, stride_om, a_scale_stride, stride_sam, stride_swn,
                        HAS_BIAS: tl.constexpr, BLOCK_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
-                       EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, PROMOTE: tl.constexpr, RED_STAGES: tl.constexpr):
+                       EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, PROMOTE: tl.constexpr, RED_STAGES: tl.constexpr,
+                       PDL: tl.constexpr):
+        pdl_start(PDL)  # (lqe.kernels.triton_pdl)
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m, pid_n, num_pid_m, num_pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -243,7 +246,7 @@ def fp8_mm(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: to
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, GROUP_M=cfg.group_m,
         EVEN_K=k % cfg.block_k == 0, SWAP_AB=cfg.swap_ab and not block_scale,
         PROMOTE=cfg.block_k if cfg.precise_acc else None,
-        RED_STAGES=red_stages(cfg, split_k), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        RED_STAGES=red_stages(cfg, split_k), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(xq.device))
     return out
 
 

@@ -34,6 +34,7 @@ import torch
 
 from lqe.kernels.device_info import sm_count
 from lqe.kernels.triton_gemm_common import SplitKWorkspace, gemm_io, nonempty_splits, per_token_vec
+from lqe.kernels.triton_pdl import pdl_args, pdl_start
 
 try:
     import triton
@@ -190,7 +191,8 @@ if triton is not None:
                      HAS_AZP: tl.constexpr, HAS_BIAS: tl.constexpr, IS_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
                      EVEN_K: tl.constexpr, DP4A: tl.constexpr, DP4A_ASM: tl.constexpr, K_STAGES: tl.constexpr,
-                     SWAP_AB: tl.constexpr, PROMOTE: tl.constexpr):
+                     SWAP_AB: tl.constexpr, PROMOTE: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)  # (lqe.kernels.triton_pdl)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -358,7 +360,7 @@ def gemv_w8a8(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale:
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, USE_DOT=cfg.use_dot,
         EVEN_K=k % cfg.block_k == 0, DP4A=dp4a, DP4A_ASM=not _INTERPRET, K_STAGES=cfg.num_stages,
         SWAP_AB=cfg.use_dot and cfg.swap_ab, PROMOTE=cfg.block_k if cfg.precise_acc else None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(xq.device))
     return out
 
 

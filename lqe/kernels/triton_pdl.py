@@ -29,6 +29,7 @@ try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - triton is optional on CPU
     triton = None
+    pdl_start = None
 
 _OFF = {"PDL": False}
 _ON = {"PDL": True, "launch_pdl": True}

@@ -56,6 +56,7 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
 
 from lqe.kernels.device_info import sm_count as device_sm_count
 from lqe.kernels.repack import PackedWNA16
+from lqe.kernels.triton_pdl import pdl_args, pdl_start
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -312,7 +313,9 @@ if triton is not None:
                            MAGIC: tl.constexpr, MAGIC_C: tl.constexpr, FACTORED: tl.constexpr,
                            EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
                            SWAP_AB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                           BK: tl.constexpr, GROUP_M: tl.constexpr, ASM_DQ: tl.constexpr, GS_SHIFT: tl.constexpr):
+                           BK: tl.constexpr, GROUP_M: tl.constexpr, ASM_DQ: tl.constexpr, GS_SHIFT: tl.constexpr,
+                           PDL: tl.constexpr):
+        pdl_start(PDL)  # (lqe.kernels.triton_pdl)
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         grid_m = tl.cdiv(M, BM)
@@ -405,7 +408,8 @@ if triton is not None:
 
     @triton.jit
     def _splitk_reduce_kernel(Part, Bias, Out, M, N, stride_om, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                              BM: tl.constexpr, BN: tl.constexpr):
+                              BM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)  # (lqe.kernels.triton_pdl)
         offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
         offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -491,12 +495,12 @@ def gemm(x: torch.Tensor, p: PackedWNA16, bias: torch.Tensor | None = None, out:
         DOT_F32=_INTERPRET and x.dtype == torch.bfloat16, SWAP_AB=cfg.swap_ab,
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=8,
         ASM_DQ=_asm_dq(cfg, p, magic), GS_SHIFT=_gs_shift(p.group_size),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device))
     if split > 1:
         rbm, rbn = 16, 256
         _splitk_reduce_kernel[(triton.cdiv(m, rbm), triton.cdiv(n, rbn))](
             part, bias if bias is not None else part, out, m, n, out.stride(0), SPLITS=split,
-            HAS_BIAS=bias is not None, BM=rbm, BN=rbn, num_warps=4)
+            HAS_BIAS=bias is not None, BM=rbm, BN=rbn, num_warps=4, **pdl_args(x.device))
     return out
 
 
