@@ -3,8 +3,8 @@
 Variants: ``bf16``; ``w4a16`` (GPTQ W4 g128 on ``dispatch.WNA16_TABLE``) and ``w4a16-mma`` (the same checkpoint on
 ``dispatch.WNA16_MMA_TABLE``: the lqe-w4a16-mma GEMM, issue 24), ``w4a16-swap`` (the same on ``WNA16_SWAP_TABLE``: the
 swapped-operand Triton GEMM), ``w4a16-ring`` (the same on ``WNA16_RING_TABLE``: the CUDA GEMV's cp.async ring at
-M <= 16); ``w4a16-pdl`` / ``w4a16-ring-pdl`` / ``w8a8-pdl`` / ``fp8-pdl`` (those with programmatic dependent launch,
-``LQE_PDL=1``); ``w8a8`` (a converted W8A8 checkpoint),
+M <= 16); ``bf16-pdl`` / ``w4a16-pdl`` / ``w4a16-ring-pdl`` / ``w8a8-pdl`` / ``fp8-pdl`` (those with programmatic
+dependent launch, ``LQE_PDL=1``); ``w8a8`` (a converted W8A8 checkpoint),
 ``w8a8-online`` and ``fp8`` (the bf16 checkpoint quantized at load time, issue 25).
 
 Per (model shape, variant) it measures, through the public API (``LLM.generate`` on token-id prompts, greedy,
@@ -95,7 +95,8 @@ SHAPES = {  # HF config fields of the real models; weights are random
                                    max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True)),
 }
 VARIANTS = {"bf16": None, "w4a16": "gptq", "w4a16-mma": "gptq", "w4a16-swap": "gptq", "w4a16-ring": "gptq",
-            "w4a16-pdl": "gptq", "w4a16-ring-pdl": "gptq", "w8a8-pdl": "w8a8", "fp8-pdl": "online:fp8",
+            "bf16-pdl": None, "w4a16-pdl": "gptq", "w4a16-ring-pdl": "gptq", "w8a8-pdl": "w8a8",
+            "fp8-pdl": "online:fp8",
             "w8a8": "w8a8", "w8a8-online": "online:int8", "fp8": "online:fp8"}  # variant -> tools.convert --format
 # ("online:<kind>": the bf16 checkpoint loaded with quantization=<kind>: per-channel weights, dynamic per-token
 # activations, quantized at load time; issue 25)
@@ -103,9 +104,10 @@ VARIANTS = {"bf16": None, "w4a16": "gptq", "w4a16-mma": "gptq", "w4a16-swap": "g
 VARIANT_ENV = {"w4a16-mma": {"LQE_WNA16_TABLE": "mma"}, "w4a16-swap": {"LQE_WNA16_TABLE": "swap"},
                "w4a16-ring": {"LQE_WNA16_TABLE": "ring"},
                # with programmatic dependent launch (LQE_PDL=1, sm_90+: the CUDA GEMV and the Triton kernels of a
-               # decode step; lqe.kernels.device_info.pdl_enabled): w4a16 on the default / ring table, w8a8, fp8
+               # decode step; lqe.kernels.device_info.pdl_enabled): bf16 (its Triton kernels; cuBLAS keeps the plain
+               # order), w4a16 on the default / ring table, w8a8, fp8
                "w4a16-pdl": {"LQE_PDL": "1"}, "w4a16-ring-pdl": {"LQE_WNA16_TABLE": "ring", "LQE_PDL": "1"},
-               "w8a8-pdl": {"LQE_PDL": "1"}, "fp8-pdl": {"LQE_PDL": "1"}}
+               "bf16-pdl": {"LQE_PDL": "1"}, "w8a8-pdl": {"LQE_PDL": "1"}, "fp8-pdl": {"LQE_PDL": "1"}}
 MAX_MODEL_LEN = 2048 + 64
 SHARD_BYTES = 4 << 30
 

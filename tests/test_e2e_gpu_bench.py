@@ -294,7 +294,7 @@ def test_a_table_variant_refuses_layers_that_fell_back(monkeypatch):
         e2e_gpu.check_table_honoured(wna_desc.replace("triton-wna16)", "triton-wna16-swap)"))
     from lqe.kernels import device_info
 
-    for variant in ("w4a16-pdl", "w4a16-ring-pdl", "w8a8-pdl", "fp8-pdl"):  # a -pdl row must run with PDL
+    for variant in ("bf16-pdl", "w4a16-pdl", "w4a16-ring-pdl", "w8a8-pdl", "fp8-pdl"):  # -pdl rows run with PDL
         assert e2e_gpu.VARIANTS[variant] == e2e_gpu.VARIANTS[variant.removesuffix("-pdl")]
         with e2e_gpu.variant_env(variant):
             assert os.environ["LQE_PDL"] == "1"

@@ -162,6 +162,11 @@ DRY_RUNS = {
     "engine": ("", [("-m pytest", "tests/gpu/test_piecewise_gpu.py"), ("benchmarks/step_host_time.py", "--device cuda"),
                     ("benchmarks/prefill_attention.py",), ("benchmarks/e2e_gpu.py", "qwen2.5-0.5b", "FULL_AND_PIECEWISE"),
                     ("benchmarks/serving.py", "/tmp/lqe-stub-model"), ("benchmarks/e2e_gpu.py", "llama3-8b")], []),
+    "pdl": ("", [("-m pytest", "tests/gpu/test_gemm_wna16.py::test_pdl_gives_the_same_outputs",
+                  "tests/gpu/test_pdl_models.py"),
+                 ("benchmarks/kernels.py", "--w4a16", "--m 1 4 16", "kernels-pdl-stub-gpu.json"),
+                 ("benchmarks/e2e_gpu.py", "smollm2-135m", "--variants bf16,bf16-pdl,w4a16,w4a16-pdl,w8a8,w8a8-pdl")],
+            ["pdl-stage-stub-gpu.json"]),
     "kvcache": ("", [("-m pytest", "tests/gpu/test_triton_attention_fp8.py"),
                      ("benchmarks/kv_cache_gpu.py", "kvcache-stub-gpu.json")], []),
 }

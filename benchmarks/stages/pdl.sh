@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Programmatic dependent launch (LQE_PDL=1; issues 24, 25, 26). `bash benchmarks/run_gpu.sh --pdl`, one device call
+# (sm_90+; on an older GPU the tests skip and the -pdl rows fail, naming why):
+#   1. build the CUDA kernels for this GPU (common.sh),
+#   2. tests: PDL against none, bit for bit: a chain of six CUDA GEMVs eagerly and in a CUDA graph
+#      (test_gemm_wna16.py), and models (float, W4A16 / W8A16, int8 W8A8, FP8) token for token and logprob for
+#      logprob, in graphs and eagerly (test_pdl_models.py),
+#   3. kernels: the CUDA GEMV (default and ring) with and without PDL at M = 1 / 4 / 16 beside the layer path and
+#      cuBLAS bf16, graph-timed back-to-back calls (kernels.py --w4a16: the rows lqe-w4a16-fused[-ring][-pdl]),
+#      -> $OUTDIR/kernels-pdl-<gpu>.json,
+#   4. e2e: the small shapes (decode is launch-bound there: where PDL shows first), each variant beside its -pdl twin
+#      in the same run (LQE_PDL_VARIANTS, default bf16,bf16-pdl,w4a16,w4a16-pdl,w8a8,w8a8-pdl; LQE_PDL_SHAPES,
+#      default smollm2-135m; LQE_PDL_REQUESTS requests, default 32) -> $OUTDIR/e2e-<gpu>.json (rows merged by
+#      shape and variant),
+# then $OUTDIR/pdl-stage-<gpu>.json (exit codes, seconds). Time limits (s): LQE_TEST_TIMEOUT (150),
+# LQE_KERNELS_TIMEOUT (150), LQE_E2E_TIMEOUT (300), all cut to the stage budget LQE_BUDGET_S (570).
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+t0=$(date +%s)
+rc_tests=-1; rc_sweep=-1; rc_e2e=-1
+if [[ $BUILD_RC -eq 0 ]]; then
+  if ! skip tests; then
+    LQE_TEST_TIMEOUT=${LQE_TEST_TIMEOUT:-150} run_tests pdl tests/gpu/test_gemm_wna16.py::test_pdl_gives_the_same_outputs \
+      tests/gpu/test_pdl_models.py
+    rc_tests=$?
+  fi
+  if ! skip sweep; then
+    echo "== CUDA GEMV with and without PDL (M = ${LQE_KERNEL_MS:-1 4 16})"
+    timeout "$(budget "${LQE_KERNELS_TIMEOUT:-150}")" python benchmarks/kernels.py --w4a16 --m ${LQE_KERNEL_MS:-1 4 16} \
+      --shapes ${LQE_PDL_KERNEL_SHAPES:-4096x4096 14336x4096} --out "$OUTDIR/kernels-pdl-$SLUG.json" 2>&1 \
+      | tee "$LOGDIR/kernels-pdl.txt" | grep -E "^(# |lqe-w4a16 |lqe-w4a16-fused|cublas)" | tail -60
+    rc_sweep=${PIPESTATUS[0]}
+    pack_logs
+  fi
+  if ! skip e2e; then
+    echo "== e2e ${LQE_PDL_SHAPES:=smollm2-135m}: ${LQE_PDL_VARIANTS:=bf16,bf16-pdl,w4a16,w4a16-pdl,w8a8,w8a8-pdl}"
+    timeout "$(budget "${LQE_E2E_TIMEOUT:-300}")" python benchmarks/e2e_gpu.py --shapes "$LQE_PDL_SHAPES" \
+      --variants "$LQE_PDL_VARIANTS" --num-requests "${LQE_PDL_REQUESTS:-32}" --max-num-seqs 64 --no-eager \
+      --out-dir "$OUTDIR" > "$LOGDIR/pdl-e2e.log" 2>&1
+    rc_e2e=$?
+    grep -E "^\[" "$LOGDIR/pdl-e2e.log"
+    pack_logs
+  fi
+fi
+python - "$OUTDIR/pdl-stage-$SLUG.json" "$BUILD_RC" "$rc_tests" "$rc_sweep" "$rc_e2e" "$(( $(date +%s) - t0 ))" <<'PY'
+import json, os, subprocess, sys
+out, b, t, s, e, secs = sys.argv[1], *map(int, sys.argv[2:])
+commit = os.environ.get("LQE_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                        text=True).stdout.strip() or None
+json.dump({"stage": "pdl", "commit": commit, "build": b, "tests": t, "kernels": s, "e2e": e, "seconds": secs,
+           "note": "exit codes; -1 = not run (LQE_SKIP or the time budget)"}, open(out, "w"), indent=1)
+print(f"== pdl stage: build {b}, tests {t}, kernels {s}, e2e {e}, {secs} s -> {out}")
+PY
+(( BUILD_RC == 0 )) && (( rc_tests <= 0 )) && (( rc_sweep <= 0 )) && (( rc_e2e <= 0 ))
