@@ -43,8 +43,8 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
 // Programmatic dependent launch (PDL, sm_90+). A kernel launched with launch_pdl (below) may start while the kernel
-// before it on the stream still runs: it may read what no kernel writes (weights, scales, zero points) before
-// pdl_wait(), and nothing else. pdl_wait() returns once the grid before it has completed and its writes are
+// before it on the stream still runs: before pdl_wait() it may read only what no recent kernel wrote (weights,
+// scales and zero points, written once at load, many kernels earlier), and write nothing. pdl_wait() returns once the grid before it has completed and its writes are
 // visible. Every thread of every block of a PDL kernel calls it (an early exit too) before it exits, so the
 // ordering stays transitive: a grid that skipped the wait could complete before its own predecessor, and the grid
 // after it would then run beside that predecessor (two split-K GEMVs on one workspace). pdl_launch_dependents()

@@ -3,7 +3,8 @@
 
 A kernel launched with PDL may be scheduled while the kernel before it on the stream still runs. Such a kernel calls
 :func:`pdl_start` before it touches memory that an earlier kernel writes (its inputs) or reads (its outputs, which
-an earlier kernel may still be reading), and it may load only what no kernel writes (a norm's weight) before that:
+an earlier kernel may still be reading), and before that it may load only what no recent kernel wrote (a layer's
+weights, written once at load):
 
     @triton.jit
     def _kernel(..., PDL: tl.constexpr):
