@@ -41,7 +41,8 @@ echo "compile_cuda: OK (${SRCS[*]})"
 
 # The SASS of every object: no instruction may read a uniform register that nothing in its kernel writes
 # (.ci/sass_check.py: a ptxas 13.0 miscompile of cp.async with an L2 cache hint that killed lqe-w4a16-mma on the
-# H200 with "illegal instruction"). cuobjdump comes with the CUDA toolkit, or with the triton wheel torch installs.
+# H200 with "illegal instruction"), and in a PDL kernel every path waits (griddepcontrol.wait) before it touches
+# memory other than its weights. cuobjdump comes with the CUDA toolkit, or with the triton wheel torch installs.
 CUOBJDUMP="${CUOBJDUMP:-$(command -v cuobjdump || true)}"
 if [[ -z "$CUOBJDUMP" && -x "$(dirname "$NVCC")/cuobjdump" ]]; then CUOBJDUMP="$(dirname "$NVCC")/cuobjdump"; fi
 if [[ -z "$CUOBJDUMP" ]]; then
@@ -51,5 +52,5 @@ if [[ -z "$CUOBJDUMP" ]]; then echo "sass_check: SKIP (cuobjdump not found)"; ex
 for i in "${!SRCS[@]}"; do
   "$CUOBJDUMP" -sass "$OUT/$i.o" | "$PY" .ci/sass_check.py --name "${SRCS[$i]}" || fail=1
 done
-if (( fail )); then echo "sass_check: FAILED (a kernel reads a uniform register it never writes: see above)"; exit 1; fi
-echo "sass_check: OK (every uniform register read is written; $("$CUOBJDUMP" --version | tail -1))"
+if (( fail )); then echo "sass_check: FAILED (a uniform register read but never written, or a PDL kernel path that touches memory before griddepcontrol.wait: see above)"; exit 1; fi
+echo "sass_check: OK (every uniform register read is written; every PDL kernel path waits first; $("$CUOBJDUMP" --version | tail -1))"

@@ -12,6 +12,15 @@ destination (``.64``, ``.WIDE``) writes the pair. A read is any other ``URn`` op
 ``URn``, ``URn+1`` (a 64-bit memory descriptor). The check is per function and ignores order, so it only flags a
 register that is never written at all, never a false alarm from control flow.
 
+Second check, programmatic dependent launch (PDL): in a function with a ``griddepcontrol.wait`` (SASS ``ACQBULK``),
+every path from the entry passes one before any global memory access or ``EXIT``, except the accesses a PDL kernel
+may make while the kernel before it still runs: weight copies and streaming weight loads (``LDGSTS``,
+``LDG.*.NA.*.128``), prefetches (``CCTL``) and cp.async bookkeeping (``LDGDEPBAR`` / ``DEPBAR``). A load of the
+activations hoisted above the wait would read the previous kernel's output before it is written, and a block that
+exits without waiting breaks the ordering for the kernel after it (csrc/gemm/gemm_common.cuh). The control flow
+follows ``BRA`` targets (a predicated one also falls through), ``CALL`` (to its target and past it) and ``EXIT``
+(a predicated one falls through); an indirect branch in such a function is reported.
+
     cuobjdump -sass file.o | python .ci/sass_check.py [--name file.cu]   # exit 1 and a report when one is found
 """
 from __future__ import annotations
@@ -72,6 +81,83 @@ def check(sass: str) -> list[str]:
     return problems
 
 
+_PDL_INSN = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z0-9_.]+)\s*([^;]*);")
+_GLOBAL = ("LDG", "STG", "ATOM", "RED", "LD.", "ST.", "LDGSTS", "UBLKCP", "UTMALDG", "UTMASTG", "SULD", "SUST",
+           "SUATOM", "SURED")
+
+
+def _pdl_allowed(op: str) -> bool:
+    """What a PDL kernel may do before its wait: copy / stream weights, prefetch, cp.async bookkeeping."""
+    return (op.startswith(("LDGSTS", "CCTL", "LDGDEPBAR", "DEPBAR"))
+            or (op.startswith("LDG") and ".NA" in op and ".128" in op))
+
+
+def check_pdl(sass: str) -> list[str]:
+    """One line per global access or EXIT that some path from its function's entry reaches without passing an
+    ``ACQBULK`` (functions without one are not PDL kernels: skipped)."""
+    funcs: list[tuple[str, list[tuple[int, bool, str, str]]]] = []
+    for line in sass.splitlines():
+        fm = _FUNC.match(line)
+        if fm:
+            funcs.append((fm.group(1), []))
+            continue
+        im = _PDL_INSN.match(line)
+        if im and funcs:
+            funcs[-1][1].append((int(im.group(1), 16), im.group(2) is not None, im.group(3), im.group(4)))
+    problems: list[str] = []
+    for name, insns in funcs:
+        if not any(op == "ACQBULK" for _, _, op, _ in insns):
+            continue
+        pcs = [pc for pc, *_ in insns]
+        succ: dict[int, list[int]] = {pc: [] for pc in pcs}
+        for i, (pc, pred, op, ops) in enumerate(insns):
+            nxt = pcs[i + 1] if i + 1 < len(pcs) else None
+            target = re.findall(r"0x([0-9a-f]+)", ops)
+            if op.startswith(("BRX", "JMX", "JMP")):
+                problems.append(f"{name} /*{pc:04x}*/ {op} {ops.strip()} (indirect branch: PDL paths not followed)")
+            elif op.startswith(("BRA", "CALL")):
+                if target:
+                    succ[pc].append(int(target[-1], 16))
+                if (pred or op.startswith("CALL")) and nxt is not None:
+                    succ[pc].append(nxt)
+            elif op.startswith(("EXIT", "RET")):
+                if pred and nxt is not None:
+                    succ[pc].append(nxt)
+            elif nxt is not None:
+                succ[pc].append(nxt)
+        # waited[pc]: every path from the entry to pc passed an unpredicated ACQBULK (a must-analysis)
+        waited = {pc: True for pc in pcs}
+        waited[pcs[0]] = False
+        preds: dict[int, list[int]] = {pc: [] for pc in pcs}
+        for a, bs in succ.items():
+            for b in bs:
+                if b in preds:
+                    preds[b].append(a)
+        by_pc = {pc: (pred, op) for pc, pred, op, _ in insns}
+
+        def after(pc: int) -> bool:
+            pred, op = by_pc[pc]
+            return waited[pc] or (op == "ACQBULK" and not pred)
+
+        changed = True
+        while changed:
+            changed = False
+            for pc in pcs[1:]:
+                v = all(after(p) for p in preds[pc]) if preds[pc] else True
+                if v != waited[pc]:
+                    waited[pc], changed = v, True
+        seen, stack = set(), [pcs[0]]
+        while stack:
+            pc = stack.pop()
+            if pc not in seen:
+                seen.add(pc)
+                stack.extend(succ[pc])
+        for pc, _, op, ops in insns:
+            if pc in seen and not waited[pc] and not _pdl_allowed(op) and (op.startswith(_GLOBAL) or op == "EXIT"):
+                problems.append(f"{name} /*{pc:04x}*/ {op} {ops.strip()} (reached before griddepcontrol.wait)")
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--name", default="<stdin>", help="the source the SASS came from (for the report)")
@@ -80,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if "Function" not in sass:
         print(f"sass_check: {args.name}: no SASS functions in the input", file=sys.stderr)
         return 2
-    problems = check(sass)
+    problems = check(sass) + check_pdl(sass)
     for p in problems[:20]:
         print(f"sass_check: {args.name}: {p}")
     if len(problems) > 20:

@@ -296,13 +296,36 @@ def test_paged_attention_mixed_step(head_dim, group, cache):
     assert names == ["_prefill_kernel", "_decode_kernel", "_decode_reduce_kernel"], names
 
 
-def _pdl_order(name: str, ptx: str) -> None:
-    """A PDL kernel's PTX waits (griddepcontrol.wait) before its first global load or store, and lets the next
-    kernel be scheduled (griddepcontrol.launch_dependents)."""
+def _pdl_order(name: str, kernel) -> None:
+    """A PDL kernel's PTX waits (griddepcontrol.wait) before its first global load or store in text order and lets
+    the next kernel be scheduled (griddepcontrol.launch_dependents); in its SASS every path from the entry passes the
+    wait (ACQBULK) before any global access or exit (.ci/sass_check.py's control-flow check: text order alone would
+    miss a branch laid out before the wait, or ptxas moving a load)."""
+    import subprocess
+    import tempfile
+
+    from triton.tools.disasm import path_to_cuobjdump
+
+    ptx = kernel.asm["ptx"]
     wait = ptx.find("griddepcontrol.wait")
     assert wait >= 0 and "griddepcontrol.launch_dependents" in ptx, f"{name}: no griddepcontrol in the PTX"
     first = re.search(r"\b(ld|st|atom|red)\.global|\bcp\.async", ptx)
     assert first is not None and first.start() > wait, f"{name}: global memory touched before griddepcontrol.wait"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([path_to_cuobjdump(), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    assert "ACQBULK" in sass, f"{name}: no griddepcontrol.wait in the SASS"
+    assert _sass_check().check_pdl(sass) == [], f"{name}: {_sass_check().check_pdl(sass)[:3]}"
+
+
+def _sass_check():
+    spec = importlib.util.spec_from_file_location("sass_check", os.path.join(os.path.dirname(__file__), "..", ".ci",
+                                                                             "sass_check.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_pdl_launches_wait_before_any_global_access(monkeypatch, cpu_launches):
@@ -342,7 +365,7 @@ def test_pdl_launches_wait_before_any_global_access(monkeypatch, cpu_launches):
                      "_decode_reduce_kernel", "_silu_and_mul_kernel"], names
     for launch in launches:
         assert launch.kwargs.get("PDL") is True and launch.kwargs.get("launch_pdl") is True, launch.name
-        _pdl_order(launch.name, compile_launch(launch).asm["ptx"])
+        _pdl_order(launch.name, compile_launch(launch))
     monkeypatch.setattr(triton_pdl, "pdl_enabled", lambda device: False)
     with captured_launches() as launches:
         step()
@@ -502,4 +525,4 @@ def test_pdl_quantized_layers_wait_before_any_global_access(chain, monkeypatch, 
     assert [launch.name for launch in launches] == want
     for launch in launches:
         assert launch.kwargs.get("PDL") is True and launch.kwargs.get("launch_pdl") is True, launch.name
-        _pdl_order(launch.name, compile_launch(launch).asm["ptx"])
+        _pdl_order(launch.name, compile_launch(launch))

@@ -423,3 +423,20 @@ def test_pdl_switch(monkeypatch):
     monkeypatch.setenv("LQE_PDL", "yes")
     with pytest.raises(ValueError, match="LQE_PDL='yes'.*use 1"):
         device_info.pdl_enabled(cuda)
+
+
+def test_pdl_is_refused_where_it_would_not_apply():
+    """pdl=True names the CUDA GEMV's launch: any other path (the Triton GEMMs, dequantize + cuBLAS, lqe-w4a16-mma
+    weights) refuses it with an error naming the path, instead of timing a launch without PDL under a -pdl name."""
+    from lqe.kernels import repack_mma
+
+    g = torch.Generator().manual_seed(0)
+    cw = CanonicalWeight(torch.randint(0, 16, (256, 128), dtype=torch.uint8, generator=g),
+                         torch.rand(2, 128, generator=g) * 0.01 + 0.001, None, None, 4, 128)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    p = repack.repack_wna16(cw, torch.bfloat16)
+    for path in ("triton-wna16", "dequant", "triton-dequant+cublas"):
+        with pytest.raises(ValueError, match=f"pdl=True applies to the CUDA GEMV .*not to '"):
+            gemm.wna16_gemm(x, p, path=path, pdl=True)
+    with pytest.raises(ValueError, match="not to lqe-w4a16-mma weights"):
+        gemm.wna16_gemm(x, repack_mma.repack_mma(cw, torch.bfloat16), pdl=True)

@@ -64,3 +64,48 @@ def test_command_line_exit_codes():
     assert bad.returncode == 1 and "x.cu" in bad.stdout and "UR1" in bad.stdout
     assert good.returncode == 0 and good.stdout == ""
     assert empty.returncode == 2 and "no SASS" in empty.stderr
+
+
+# A PDL kernel's shape (wna16_gemm_kernel, sm_90a): a block with no tile waits and leaves; the others stream their
+# first weights (LDG.NA.128, CCTL prefetch, LDGSTS), wait (ACQBULK), then read the activations and store.
+PDL_OK = """
+        Function : _ZN3lqe17wna16_gemm_kernelEv
+        /*0000*/                   ISETP.GE.AND P0, PT, R98, R95, PT ;
+        /*0010*/              @!P0 BRA 0x50 ;
+        /*0020*/                   ACQBULK ;
+        /*0030*/                   PREEXIT ;
+        /*0040*/                   BRA 0xb0 ;
+        /*0050*/                   LDG.E.NA.128.CONSTANT R8, desc[UR8][R8.64] ;
+        /*0060*/                   CCTL.E.PF1 [R28] ;
+        /*0070*/                   LDGSTS.E.BYPASS.128 [R5+0x1000], desc[UR8][R96.64] ;
+        /*0080*/                   LDGDEPBAR ;
+        /*0090*/                   ACQBULK ;
+        /*00a0*/                   LDG.E.CONSTANT R116, desc[UR8][R12.64] ;
+        /*00b0*/                   STG.E.64 desc[UR8][R2.64], R4 ;
+        /*00c0*/                   EXIT ;
+        Function : _ZN3lqe5plainEv
+        /*0000*/                   LDG.E.CONSTANT R1, desc[UR8][R2.64] ;
+        /*0010*/                   EXIT ;
+"""
+
+
+def test_pdl_paths_all_wait_before_any_global_access():
+    assert sass_check.check_pdl(PDL_OK) == []  # (plain: no ACQBULK, not a PDL kernel)
+
+
+def test_pdl_flags_an_activation_load_hoisted_above_the_wait():
+    hoisted = PDL_OK.replace("/*0060*/                   CCTL.E.PF1 [R28] ;",
+                             "/*0060*/                   LDG.E.CONSTANT R116, desc[UR8][R12.64] ;")
+    problems = sass_check.check_pdl(hoisted)
+    assert len(problems) == 1 and "/*0060*/ LDG.E.CONSTANT" in problems[0], problems
+
+
+def test_pdl_flags_a_path_that_skips_the_wait():
+    # the no-tile block branches straight to the store and exit: its path never waits (the predicated wait does not
+    # count either)
+    skipped = PDL_OK.replace("/*0010*/              @!P0 BRA 0x50 ;", "/*0010*/              @!P0 BRA 0x50 ;\n"
+                             "        /*0015*/               @P1 BRA 0xb0 ;")
+    problems = sass_check.check_pdl(skipped)
+    assert [p.split()[1] for p in problems] == ["/*00b0*/", "/*00c0*/"], problems
+    predicated = PDL_OK.replace("/*0090*/                   ACQBULK ;", "/*0090*/               @P2 ACQBULK ;")
+    assert [p.split()[1] for p in sass_check.check_pdl(predicated)] == ["/*00a0*/", "/*00b0*/", "/*00c0*/"]

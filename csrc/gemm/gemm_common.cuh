@@ -61,9 +61,19 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// Whether `kernel`, as loaded for the current device, was compiled with its pdl_wait(): from PTX of sm_90 or later
+// (a kernel JIT-compiled from an older PTX, e.g. a compute_80 fallback, has it compiled out, and launching that one
+// with the attribute would let it race the kernel before it). Callers keep the answer in a static per kernel.
+template <typename... KArgs>
+bool kernel_has_pdl_wait(void (*kernel)(KArgs...)) {
+  cudaFuncAttributes a;
+  return cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(kernel)) == cudaSuccess && a.ptxVersion >= 90;
+}
+
 // Launch kernel<<<grid, block, 0, st>>>(args...), with the programmatic-stream-serialization attribute when pdl
-// (the caller asks only on sm_90+; lqe.kernels.device_info.pdl_enabled). Captured into a CUDA graph as a
-// programmatic edge.
+// (the caller asks only on sm_90+, lqe.kernels.device_info.pdl_enabled, and for a kernel_has_pdl_wait kernel).
+// Captured into a CUDA graph as a programmatic edge. A launch error is the runtime's last error, which the
+// bindings' C10_CUDA_KERNEL_LAUNCH_CHECK raises, as after <<<>>>.
 template <typename... KArgs, typename... Args>
 void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, cudaStream_t st, bool pdl, Args... args) {
   cudaLaunchConfig_t cfg = {};

@@ -283,8 +283,10 @@ void run_gemm(const void* x, const void* qw, const void* s, const void* z, const
               int* counters, int M, int N, int K, int gs, int spp, bool pdl, cudaStream_t st) {
   const int splits = (K / 16 + spp - 1) / spp;
   dim3 grid((N + kWna16BlockN - 1) / kWna16BlockN, (M + MT * 16 - 1) / (MT * 16), splits);
-  launch_pdl(wna16_gemm_kernel<T, BITS, MT, ZP, RING>, grid, dim3(kWna16Threads), st, pdl, (const T*)x,
-             (const uint4*)qw, (const T*)s, (const T*)z, (const T*)bias, (T*)out, ws, counters, M, N, K, gs, spp);
+  auto* kernel = wna16_gemm_kernel<T, BITS, MT, ZP, RING>;
+  static const bool has_wait = kernel_has_pdl_wait(kernel);  // (pdl only where the kernel waits: gemm_common.cuh)
+  launch_pdl(kernel, grid, dim3(kWna16Threads), st, pdl && has_wait, (const T*)x, (const uint4*)qw, (const T*)s,
+             (const T*)z, (const T*)bias, (T*)out, ws, counters, M, N, K, gs, spp);
 }
 
 template <typename T, int BITS, bool ZP>

@@ -197,6 +197,9 @@ def wna16_gemm(x: torch.Tensor, packed: PackedWNA16, bias: torch.Tensor | None =
     x2 = x2.contiguous()
     m = x2.shape[0]
     if isinstance(packed, PackedMMA):
+        if pdl:
+            raise ValueError("pdl=True applies to the CUDA GEMV (lqe-wna16-fused / lqe-wna16-ring), not to "
+                             "lqe-w4a16-mma weights")
         return _mma_call(x2, packed, bias, out, path, splits).view(*lead, packed.n)
     name = {"fused": "lqe-wna16-fused", "ring": "lqe-wna16-ring", "dequant": "dequant+cublas",
             "triton": "triton-wna16"}.get(path, path)
@@ -204,6 +207,9 @@ def wna16_gemm(x: torch.Tensor, packed: PackedWNA16, bias: torch.Tensor | None =
         name = kernel_for(m, x2.device)
     elif name == "cuda":
         name = "dequant+cublas" if m > LARGE_M_THRESHOLD else "lqe-wna16-fused"
+    if pdl and name not in ("lqe-wna16-fused", "lqe-wna16-ring"):
+        raise ValueError(f"pdl=True applies to the CUDA GEMV (lqe-wna16-fused / lqe-wna16-ring), not to {name!r} "
+                         f"(M = {m}); the Triton kernels take LQE_PDL=1")
     if out is None:
         out = torch.empty(m, packed.n, dtype=x2.dtype, device=x2.device)
     if name in ("triton-wna16", "triton-wna16-swap"):  # swap: triton_wna16.SWAP_CONFIG_TABLE (W^T x^T, Hopper)
