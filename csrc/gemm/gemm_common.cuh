@@ -23,6 +23,10 @@ namespace lqe {
 // waiting a DRAM round trip). volatile: kept where it is written, beside the loads it travels with.
 __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
 
+// Ask for the line at p in L2 (no register, no wait): a PDL kernel's weights, pulled in while the kernel before it
+// still runs.
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 __device__ __forceinline__ uint4 ld_stream_v4(const uint4* p) {
   // Weights are read exactly once: bypass L1 and do not keep them in it.
   uint4 r;

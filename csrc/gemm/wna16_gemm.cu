@@ -19,12 +19,13 @@ constexpr int kUnroll = 4;  // K slabs of 16 per batch (K % 64 == 0)
 // commit-group count: 3 batches (6 KB) per warp stay in flight. Same arithmetic as the default path, bit-identical
 // outputs. NOT MEASURED: the candidate kernel name "lqe-wna16-ring" (dispatch.WNA16_RING_TABLE).
 constexpr int kRingStages = 4;
+constexpr int kPdlPrefetchBytes = 8192;  // weights per warp pulled into L2 before a PDL launch's wait (M <= 16)
 
 template <typename T, int BITS, int MT, bool HAS_ZP, bool RING>
 __global__ void __launch_bounds__(kWna16Threads) wna16_gemm_kernel(
     const T* __restrict__ A, const uint4* __restrict__ B, const T* __restrict__ S, const T* __restrict__ Z,
     const T* __restrict__ bias, T* __restrict__ C, float* __restrict__ ws, int* __restrict__ counters, int M,
-    int N, int K, int group_size, int slabs_per_split) {
+    int N, int K, int group_size, int slabs_per_split, int prefetch_slabs) {
   using D = Dq<T, BITS>;
   constexpr int V4 = BITS / 4;  // uint4 loads per lane per slab
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -56,6 +57,16 @@ __global__ void __launch_bounds__(kWna16Threads) wna16_gemm_kernel(
     const int col_base = nt * 64 + g8 * 8;  // this lane's 8 stored scale columns
     typename D::P prm[8];
     int cur_g = -1;
+    // PDL (M <= 16): before the wait, this warp's weight slabs [from, ks0 + prefetch_slabs) past those its first
+    // loads already requested are pulled into L2 (each lane its own 16 bytes per slab: a warp's slab is 4 * V4
+    // contiguous lines). A kernel launched early sits resident while the kernel before it runs (RMSNorm, SiLU-mul,
+    // rotary, attention: a few blocks), so its DRAM stream starts there. 0 without PDL (the host sets it).
+    auto prefetch_slabs_l2 = [&](int from) {
+      const int to = min(ks1, ks0 + prefetch_slabs);
+      for (int ks = from; ks < to; ++ks)
+#pragma unroll
+        for (int v = 0; v < V4; ++v) prefetch_l2(bp + (size_t)(ks - ks0) * bstride + v);
+    };
     // The scales (+ zero points) of a new group were an __ldg issued only when compute reached the group, after the
     // weights had landed: one more DRAM round trip a warp waited through with nothing in flight (SASS: the scale
     // LDG.128 sits in the group-change branch right before the first HMMA). At M <= 16, load_w now prefetches the
@@ -148,6 +159,7 @@ __global__ void __launch_bounds__(kWna16Threads) wna16_gemm_kernel(
       };
 #pragma unroll
       for (int st = 0; st < NS - 1; ++st) issue(st);
+      prefetch_slabs_l2(ks0 + (NS - 1) * kUnroll);
       pdl_ready();  // (the first NS - 1 weight batches are in flight: they read no earlier kernel's output)
       uint32_t w[kUnroll][4 * V4];
       for (int ks = ks0; ks < ks1; ks += NS * kUnroll) {
@@ -175,6 +187,7 @@ __global__ void __launch_bounds__(kWna16Threads) wna16_gemm_kernel(
       // they are written). At larger MT the second buffer would crowd the accumulators out of registers.
       uint32_t w0[kUnroll][4 * V4], w1[kUnroll][4 * V4];
       if (ks0 < ks1) load_w(w0, ks0);
+      prefetch_slabs_l2(ks0 + kUnroll);
       pdl_ready();
       for (int ks = ks0; ks < ks1; ks += 2 * kUnroll) {
         if (ks + kUnroll < ks1) load_w(w1, ks + kUnroll);
@@ -285,8 +298,11 @@ void run_gemm(const void* x, const void* qw, const void* s, const void* z, const
   dim3 grid((N + kWna16BlockN - 1) / kWna16BlockN, (M + MT * 16 - 1) / (MT * 16), splits);
   auto* kernel = wna16_gemm_kernel<T, BITS, MT, ZP, RING>;
   static const bool has_wait = kernel_has_pdl_wait(kernel);  // (pdl only where the kernel waits: gemm_common.cuh)
-  launch_pdl(kernel, grid, dim3(kWna16Threads), st, pdl && has_wait, (const T*)x, (const uint4*)qw, (const T*)s,
-             (const T*)z, (const T*)bias, (T*)out, ws, counters, M, N, K, gs, spp);
+  pdl = pdl && has_wait;
+  // the L2 prefetch before the wait: kPdlPrefetchBytes per warp (at 16 warps per SM x 132 SMs, 17 MB: within L2)
+  const int prefetch_slabs = pdl && MT == 1 ? kPdlPrefetchBytes / (512 * (BITS / 4)) : 0;
+  launch_pdl(kernel, grid, dim3(kWna16Threads), st, pdl, (const T*)x, (const uint4*)qw, (const T*)s, (const T*)z,
+             (const T*)bias, (T*)out, ws, counters, M, N, K, gs, spp, prefetch_slabs);
 }
 
 template <typename T, int BITS, bool ZP>
