@@ -91,7 +91,7 @@ def test_gemv_compiles_for_hopper_with_vector_loads(variant):
                   (4 if "m4" in rest else 1), BLOCK_N=64 if path == "dot" else 32,
                   BLOCK_K=128 if "swap" in rest else 256, SPLIT_K=4, USE_DOT=path == "dot", EVEN_K=True,
                   DP4A=path == "dp4a", DP4A_ASM=True, K_STAGES=3, SWAP_AB="swap" in rest,
-                  PROMOTE=128 if "swap" in rest else None, PDL=False)
+                  PROMOTE=128 if "swap" in rest else None, PDL=False, PF_LINES=2)
     fn = tg._gemv_kernel
     elem = "fp8e4nv" if fp8 else "i8"
     types = {"x_ptr": f"*{elem}", "w_ptr": f"*{elem}", "out_ptr": "*bf16", "a_scale_ptr": "*fp32",

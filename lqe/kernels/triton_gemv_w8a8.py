@@ -34,7 +34,7 @@ import torch
 
 from lqe.kernels.device_info import sm_count
 from lqe.kernels.triton_gemm_common import SplitKWorkspace, gemm_io, nonempty_splits, per_token_vec
-from lqe.kernels.triton_pdl import pdl_args, pdl_start
+from lqe.kernels.triton_pdl import pdl_args, pdl_start, prefetch_l2
 
 try:
     import triton
@@ -100,6 +100,11 @@ CONFIGS: list[tuple[int, GemvConfig]] = [
 FP8_CONFIGS: list[tuple[int, GemvConfig]] = list(CONFIGS)
 
 WS_ROWS = 256  # split_k * BLOCK_M rows of partial sums the workspace holds per output column
+# Under PDL (LQE_PDL=1) each program pulls the first PDL_PREFETCH_LINES 128-byte lines of each of its BLOCK_N weight
+# rows into L2 before it waits for the kernel before it: 32 rows x 2 lines = 8 KB a program (64 rows: 16 KB), ~4 MB
+# over a 4096 x 4096 layer's 512 programs at M = 1 (a quarter of it; the rest streams after the wait). Not measured:
+# benchmarks/stages/pdl.sh.
+PDL_PREFETCH_LINES = 2
 
 
 def block_m(m: int, use_dot: bool) -> int:
@@ -191,8 +196,7 @@ if triton is not None:
                      HAS_AZP: tl.constexpr, HAS_BIAS: tl.constexpr, IS_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
                      EVEN_K: tl.constexpr, DP4A: tl.constexpr, DP4A_ASM: tl.constexpr, K_STAGES: tl.constexpr,
-                     SWAP_AB: tl.constexpr, PROMOTE: tl.constexpr, PDL: tl.constexpr):
-        pdl_start(PDL)  # (lqe.kernels.triton_pdl)
+                     SWAP_AB: tl.constexpr, PROMOTE: tl.constexpr, PDL: tl.constexpr, PF_LINES: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -202,6 +206,10 @@ if triton is not None:
         rxm = tl.minimum(rm, M - 1)
         rwn = tl.max_contiguous(tl.multiple_of(rn % N, BLOCK_N), BLOCK_N)
         kb0, kb1 = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
+        if PDL:  # the first PF_LINES 128-byte lines of each of this program's weight rows into L2, before the wait
+            pf_k = tl.minimum(kb0 * BLOCK_K + tl.arange(0, PF_LINES) * 128, K - 1)
+            prefetch_l2(w_ptr + rwn[:, None] * stride_wn + pf_k[None, :])
+        pdl_start(PDL)  # (lqe.kernels.triton_pdl: nothing above reads memory an earlier kernel writes)
         if IS_FP8:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # (SWAP_AB)
@@ -360,7 +368,7 @@ def gemv_w8a8(xq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale:
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, USE_DOT=cfg.use_dot,
         EVEN_K=k % cfg.block_k == 0, DP4A=dp4a, DP4A_ASM=not _INTERPRET, K_STAGES=cfg.num_stages,
         SWAP_AB=cfg.use_dot and cfg.swap_ab, PROMOTE=cfg.block_k if cfg.precise_acc else None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(xq.device))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, PF_LINES=PDL_PREFETCH_LINES, **pdl_args(xq.device))
     return out
 
 

@@ -30,7 +30,7 @@ try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - triton is optional on CPU
     triton = None
-    pdl_start = None
+    pdl_start = prefetch_l2 = None
 
 _OFF = {"PDL": False}
 _ON = {"PDL": True, "launch_pdl": True}
@@ -44,6 +44,14 @@ def pdl_args(device: torch.device) -> dict:
 
 
 if triton is not None:
+    @triton.jit
+    def prefetch_l2(ptrs):
+        """Ask for the lines at ``ptrs`` in L2 (``prefetch.global.L2``: no register, no wait; one instruction per
+        element, so pass one pointer per 128-byte line). What a PDL kernel may do with its weights before
+        :func:`pdl_start`: its DRAM stream then starts while the kernel before it still runs."""
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+
     @triton.jit
     def pdl_start(PDL: tl.constexpr):
         """Wait until the kernel before this one on the stream has completed and its writes are visible, then let
