@@ -525,4 +525,8 @@ def test_pdl_quantized_layers_wait_before_any_global_access(chain, monkeypatch, 
     assert [launch.name for launch in launches] == want
     for launch in launches:
         assert launch.kwargs.get("PDL") is True and launch.kwargs.get("launch_pdl") is True, launch.name
-        _pdl_order(launch.name, compile_launch(launch))
+        kernel = compile_launch(launch)
+        _pdl_order(launch.name, kernel)
+        if launch.name == "_gemv_kernel":  # its first weight lines go to L2 while the kernel before it runs
+            ptx = kernel.asm["ptx"]
+            assert 0 <= ptx.find("prefetch.global.L2") < ptx.find("griddepcontrol.wait"), "no L2 prefetch first"
