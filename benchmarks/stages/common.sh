@@ -55,3 +55,20 @@ run_tests() {
   pack_logs
   return $rc
 }
+
+# stage_summary NAME T0 STEP=RC ...: $OUTDIR/NAME-stage-$SLUG.json = {stage, commit, build, STEP: RC ..., seconds since
+# T0}, a summary line, and success only when the build passed and no step failed (RC <= 0: -1 = not run).
+stage_summary() {
+  local name=$1 t0=$2; shift 2
+  python - "$OUTDIR/$name-stage-$SLUG.json" "$name" "$BUILD_RC" "$(( $(date +%s) - t0 ))" "$@" <<'PY'
+import json, os, subprocess, sys
+out, name, build, secs, *steps = sys.argv[1:]
+commit = os.environ.get("LQE_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                        text=True).stdout.strip() or None
+rcs = {k: int(v) for k, v in (s.split("=", 1) for s in steps)}
+json.dump({"stage": name, "commit": commit, "build": int(build), **rcs, "seconds": int(secs),
+           "note": "exit codes; -1 = not run (LQE_SKIP or the time budget)"}, open(out, "w"), indent=1)
+print(f"== {name} stage: build {build}, " + ", ".join(f"{k} {v}" for k, v in rcs.items()) + f", {secs} s -> {out}")
+sys.exit(0 if int(build) == 0 and all(v <= 0 for v in rcs.values()) else 1)
+PY
+}

@@ -41,13 +41,4 @@ if [[ $BUILD_RC -eq 0 ]]; then
     pack_logs
   fi
 fi
-python - "$OUTDIR/pdl-stage-$SLUG.json" "$BUILD_RC" "$rc_tests" "$rc_sweep" "$rc_e2e" "$(( $(date +%s) - t0 ))" <<'PY'
-import json, os, subprocess, sys
-out, b, t, s, e, secs = sys.argv[1], *map(int, sys.argv[2:])
-commit = os.environ.get("LQE_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                                        text=True).stdout.strip() or None
-json.dump({"stage": "pdl", "commit": commit, "build": b, "tests": t, "kernels": s, "e2e": e, "seconds": secs,
-           "note": "exit codes; -1 = not run (LQE_SKIP or the time budget)"}, open(out, "w"), indent=1)
-print(f"== pdl stage: build {b}, tests {t}, kernels {s}, e2e {e}, {secs} s -> {out}")
-PY
-(( BUILD_RC == 0 )) && (( rc_tests <= 0 )) && (( rc_sweep <= 0 )) && (( rc_e2e <= 0 ))
+stage_summary pdl "$t0" tests=$rc_tests kernels=$rc_sweep e2e=$rc_e2e

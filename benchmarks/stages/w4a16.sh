@@ -56,13 +56,4 @@ if [[ $BUILD_RC -eq 0 ]]; then
     pack_logs
   fi
 fi
-python - "$OUTDIR/w4a16-stage-$SLUG.json" "$BUILD_RC" "$rc_tests" "$rc_sweep" "$rc_e2e" "$(( $(date +%s) - t0 ))" <<'PY'
-import json, os, subprocess, sys
-out, b, t, s, e, secs = sys.argv[1], *map(int, sys.argv[2:])
-commit = os.environ.get("LQE_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                                        text=True).stdout.strip() or None
-json.dump({"stage": "w4a16", "commit": commit, "build": b, "tests": t, "sweep": s, "e2e": e, "seconds": secs,
-           "note": "exit codes; -1 = not run (LQE_SKIP or the time budget)"}, open(out, "w"), indent=1)
-print(f"== w4a16 stage: build {b}, tests {t}, sweep {s}, e2e {e}, {secs} s -> {out}")
-PY
-(( BUILD_RC == 0 )) && (( rc_tests <= 0 )) && (( rc_sweep <= 0 )) && (( rc_e2e <= 0 ))
+stage_summary w4a16 "$t0" tests=$rc_tests sweep=$rc_sweep e2e=$rc_e2e
