@@ -47,13 +47,13 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
 // Programmatic dependent launch (PDL, sm_90+). A kernel launched with launch_pdl (below) may start while the kernel
-// before it on the stream still runs: before pdl_wait() it may read only what no recent kernel wrote (weights,
-// scales and zero points, written once at load, many kernels earlier), and write nothing. pdl_wait() returns once the grid before it has completed and its writes are
-// visible. Every thread of every block of a PDL kernel calls it (an early exit too) before it exits, so the
-// ordering stays transitive: a grid that skipped the wait could complete before its own predecessor, and the grid
-// after it would then run beside that predecessor (two split-K GEMVs on one workspace). pdl_launch_dependents()
-// lets the next kernel's blocks be scheduled once every block here has called it (they then wait in pdl_wait()).
-// Both are no-ops in a kernel launched without the attribute, and compiled out below sm_90.
+// before it on the stream still runs: before pdl_wait() it may read only what no recent kernel wrote (weights, scales
+// and zero points, written once at load, many kernels earlier), and write nothing. pdl_wait() returns once the grid
+// before it has completed and its writes are visible. Every thread of every block of a PDL kernel calls it (an early
+// exit too) before it exits, so the ordering stays transitive: a grid that skipped the wait could complete before its
+// own predecessor, and the grid after it would then run beside that predecessor (two split-K GEMVs on one workspace).
+// pdl_launch_dependents() lets the next kernel's blocks be scheduled once every block here has called it (they then
+// wait in pdl_wait()). Both are no-ops in a kernel launched without the attribute, and compiled out below sm_90.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -18,8 +18,9 @@ constexpr int kW8a8BlockN = 256;
 // counters >= gridDim.x*gridDim.y ints that are zero (the kernel leaves them zero).
 // slabs_per_split: K/16 slabs per split, a multiple of 4; splits = ceil((K/16) / slabs_per_split). ring: at M <= 16
 // the weights stream through a per-warp cp.async ring (the "lqe-wna16-ring" candidate; same results). pdl:
-// launched with programmatic dependent launch (sm_90+ only): its first weight batches are requested while the
-// kernel before it on the stream finishes (gemm_common.cuh pdl_wait; same results).
+// launched with programmatic dependent launch (sm_90+ only): its first weight batches are requested, and at M <= 16
+// its next 8 KB per warp pulled into L2, while the kernel before it on the stream finishes (gemm_common.cuh
+// pdl_wait; same results).
 const char* launch_wna16_gemm(DType dt, int bits, const void* x, const void* qweight, const void* scales,
                               const void* zeros, const void* bias, void* out, float* ws, int* counters, int M,
                               int N, int K, int group_size, int slabs_per_split, bool ring, bool pdl,
