@@ -3,6 +3,8 @@
 // of K for 4-bit, two for 8-bit), dequantizes in registers and feeds mma.sync m16n8k16 with fp32
 // accumulation. Activations are read as mma A fragments straight from global/L1 (4 warps share them).
 // Split-K over grid.z fills the SMs when there are few column tiles; see gemm_common.cuh for the layout.
+#include <atomic>
+
 #include "gemm_common.cuh"
 #include "gemm_launch.h"
 
@@ -297,8 +299,11 @@ void run_gemm(const void* x, const void* qw, const void* s, const void* z, const
   const int splits = (K / 16 + spp - 1) / spp;
   dim3 grid((N + kWna16BlockN - 1) / kWna16BlockN, (M + MT * 16 - 1) / (MT * 16), splits);
   auto* kernel = wna16_gemm_kernel<T, BITS, MT, ZP, RING>;
-  static const bool has_wait = kernel_has_pdl_wait(kernel);  // (pdl only where the kernel waits: gemm_common.cuh)
-  pdl = pdl && has_wait;
+  // pdl only where the kernel waits (gemm_common.cuh), asked on the first PDL launch only: a launch without PDL (the
+  // default) never queries the function's attributes, also not inside a CUDA-graph capture
+  static std::atomic<int> has_wait{-1};
+  if (pdl && has_wait.load(std::memory_order_relaxed) < 0) has_wait.store(kernel_has_pdl_wait(kernel) ? 1 : 0);
+  pdl = pdl && has_wait.load(std::memory_order_relaxed) == 1;
   // the L2 prefetch before the wait: kPdlPrefetchBytes per warp (at 16 warps per SM x 132 SMs, 17 MB: within L2)
   const int prefetch_slabs = pdl && MT == 1 ? kPdlPrefetchBytes / (512 * (BITS / 4)) : 0;
   launch_pdl(kernel, grid, dim3(kWna16Threads), st, pdl, (const T*)x, (const uint4*)qw, (const T*)s, (const T*)z,
