@@ -30,8 +30,8 @@ import re
 import sys
 
 _FUNC = re.compile(r"^\s*Function\s*:\s*(\S+)")
-# "/*07a0*/    @!P1 LDGSTS.E.BYPASS.128 [R13], desc[UR16][R8.64] ;"
-_INSN = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z0-9_.]+)\s*([^;]*);")
+# "/*07a0*/    @!P1 LDGSTS.E.BYPASS.128 [R13], desc[UR16][R8.64] ;": pc, predicate, opcode, operands
+_INSN = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z0-9_.]+)\s*([^;]*);")
 _UR = re.compile(r"\bUR(\d+)\b")
 _DESC = re.compile(r"desc\[UR(\d+)\]")
 
@@ -55,10 +55,9 @@ def _reads(operands: str) -> tuple[set[int], set[int]]:
     return plain, desc
 
 
-def check(sass: str) -> list[str]:
-    """One line per read of a never-written uniform register: ``function pc instruction (URn never written)``."""
-    problems: list[str] = []
-    funcs: list[tuple[str, list[tuple[str, str, str]]]] = []
+def _functions(sass: str) -> list[tuple[str, list[tuple[int, bool, str, str]]]]:
+    """Each function of cuobjdump's listing: its name and its instructions as (pc, predicated, opcode, operands)."""
+    funcs: list[tuple[str, list[tuple[int, bool, str, str]]]] = []
     for line in sass.splitlines():
         fm = _FUNC.match(line)
         if fm:
@@ -66,22 +65,27 @@ def check(sass: str) -> list[str]:
             continue
         im = _INSN.match(line)
         if im and funcs:
-            funcs[-1][1].append((im.group(1), im.group(2), im.group(3)))
-    for name, insns in funcs:
+            funcs[-1][1].append((int(im.group(1), 16), im.group(2) is not None, im.group(3), im.group(4)))
+    return funcs
+
+
+def check(sass: str) -> list[str]:
+    """One line per read of a never-written uniform register: ``function pc instruction (URn never written)``."""
+    problems: list[str] = []
+    for name, insns in _functions(sass):
         written: set[int] = set()
-        for _, op, ops in insns:
+        for _, _, op, ops in insns:
             written |= _writes(op, ops)
-        for pc, op, ops in insns:
+        for pc, _, op, ops in insns:
             plain, desc = _reads(ops)
             missing = sorted({r for r in plain if r not in written}
                              | {r for d in desc for r in (d, d + 1) if r not in written})
             if missing:
                 regs = ", ".join(f"UR{r}" for r in missing)
-                problems.append(f"{name} /*{pc}*/ {op} {ops.strip()} ({regs} never written)")
+                problems.append(f"{name} /*{pc:04x}*/ {op} {ops.strip()} ({regs} never written)")
     return problems
 
 
-_PDL_INSN = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z0-9_.]+)\s*([^;]*);")
 _GLOBAL = ("LDG", "STG", "ATOM", "RED", "LD.", "ST.", "LDGSTS", "UBLKCP", "UTMALDG", "UTMASTG", "SULD", "SUST",
            "SUATOM", "SURED")
 
@@ -95,17 +99,8 @@ def _pdl_allowed(op: str) -> bool:
 def check_pdl(sass: str) -> list[str]:
     """One line per global access or EXIT that some path from its function's entry reaches without passing an
     ``ACQBULK`` (functions without one are not PDL kernels: skipped)."""
-    funcs: list[tuple[str, list[tuple[int, bool, str, str]]]] = []
-    for line in sass.splitlines():
-        fm = _FUNC.match(line)
-        if fm:
-            funcs.append((fm.group(1), []))
-            continue
-        im = _PDL_INSN.match(line)
-        if im and funcs:
-            funcs[-1][1].append((int(im.group(1), 16), im.group(2) is not None, im.group(3), im.group(4)))
     problems: list[str] = []
-    for name, insns in funcs:
+    for name, insns in _functions(sass):
         if not any(op == "ACQBULK" for _, _, op, _ in insns):
             continue
         pcs = [pc for pc, *_ in insns]

@@ -47,12 +47,12 @@ __global__ void __launch_bounds__(kWna16Threads) wna16_gemm_kernel(
       for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
 
   // PDL (gemm_common.cuh): the weights of the first batches are requested before pdl_wait(); the activations, the
-  // split-K workspace and counters, the bias and C only after it. Every thread waits, on every path.
+  // split-K workspace and counters, the bias and C only after it. Every thread waits, on every path (a block with no
+  // tile too: below).
   auto pdl_ready = [] {
     pdl_wait();
     pdl_launch_dependents();
   };
-  if (nt >= ntiles) pdl_ready();
   if (nt < ntiles) {
     const uint4* bp = B + ((size_t)ks0 * ntiles + nt) * 32 * V4 + lane * V4;
     const size_t bstride = (size_t)ntiles * 32 * V4;
@@ -206,6 +206,8 @@ __global__ void __launch_bounds__(kWna16Threads) wna16_gemm_kernel(
         compute(w, ks);
       }
     }
+  } else {
+    pdl_ready();
   }
 
   // Epilogue. Accumulator element c of (i, j): row m0 + i*16 + g8 + 8*(c/2), column nt*64 + j*8 + 2*t4 + c%2.

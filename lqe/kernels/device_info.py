@@ -58,12 +58,11 @@ PDL_ENV = "LQE_PDL"
 def pdl_enabled(device: torch.device) -> bool:
     """Launch the kernels that support it with programmatic dependent launch (PDL): ``LQE_PDL=1`` on a CUDA device
     of compute capability 9.0 or later (Hopper). Such a kernel is scheduled while the kernel before it on the stream
-    still runs and requests its weights before it waits for that kernel's results (``pdl_wait`` in
-    csrc/gemm/gemm_common.cuh), hiding the launch and the first DRAM round trip of each call of a decode step. Same
-    results either way (tests/gpu/test_gemm_wna16.py). Off by default: NOT MEASURED yet (kernel rows
-    ``lqe-w4a16-fused-pdl`` / ``lqe-w4a16-fused-ring-pdl``, e2e variant ``w4a16-pdl``); read per call, as
-    ``LQE_WNA16_TABLE`` is, so a benchmark can compare both in one process. Any other value than ``0`` / ``1`` /
-    unset is an error naming them."""
+    still runs and waits for that kernel's results in the kernel (``pdl_wait`` in csrc/gemm/gemm_common.cuh,
+    :mod:`lqe.kernels.triton_pdl`), hiding the launch of each kernel of a decode step; the GEMVs also start on their
+    weights before the wait. Same results either way (tests/gpu/test_gemm_wna16.py, test_pdl_models.py). Off by
+    default: NOT MEASURED yet (``bash benchmarks/run_gpu.sh --pdl``); read per call, as ``LQE_WNA16_TABLE`` is, so a
+    benchmark can compare both in one process. Any other value than ``0`` / ``1`` / unset is an error naming them."""
     value = os.environ.get(PDL_ENV, "").strip()
     if value not in ("", "0", "1"):
         raise ValueError(f"{PDL_ENV}={value!r}: use 1 (programmatic dependent launch on sm_90+) or 0 / unset (off)")

@@ -3,13 +3,14 @@
 
 A kernel launched with PDL may be scheduled while the kernel before it on the stream still runs. Such a kernel calls
 :func:`pdl_start` before it touches memory that an earlier kernel writes (its inputs) or reads (its outputs, which
-an earlier kernel may still be reading), and before that it may load only what no recent kernel wrote (a layer's
-weights, written once at load):
+an earlier kernel may still be reading). Before it, the kernel may only pull into L2 what no recent kernel wrote (a
+layer's weights, written once at load) with :func:`prefetch_l2`, as the W8A8 / FP8 GEMV does:
 
     @triton.jit
     def _kernel(..., PDL: tl.constexpr):
-        w = tl.load(W + offs)      # read-only for the whole run: may go first
-        pdl_start(PDL)             # waits for the kernel before, then lets the next one be scheduled
+        if PDL:
+            prefetch_l2(W + lines)  # weights: no register, no wait
+        pdl_start(PDL)              # waits for the kernel before, then lets the next one be scheduled
         x = tl.load(X + offs)
 
     _kernel[grid](..., **pdl_args(x.device))
