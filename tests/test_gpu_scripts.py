@@ -53,12 +53,11 @@ def test_named_files_exist(script):
     assert not missing, f"{script.name} names files that do not exist: {missing}"
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
-def test_python_flags_exist(script):
-    """Every --flag a script passes to ``python benchmarks/X.py`` is one X.py's argument parser defines, and every
-    shape / variant / method it names is one X.py knows."""
+def _undefined_flags(lines: list[str]) -> list[str]:
+    """The --flags, shapes, variants and methods that ``python benchmarks/X.py ...`` in LINES passes and X.py does
+    not define."""
     bad = []
-    for line in _commands(script):
+    for line in lines:
         for m in re.finditer(r"python (benchmarks/\w+\.py)([^|;>&]*)", line):
             source = (ROOT / m.group(1)).read_text()
             for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", m.group(2)):
@@ -67,6 +66,14 @@ def test_python_flags_exist(script):
             for flag, names in re.findall(r"(--variants|--methods|--shape|--shapes) ([\w.,+-]+)", m.group(2)):
                 bad += [f"{m.group(1)} {flag} {n}" for n in names.split(",") if f'"{n}"' not in source
                         and not re.fullmatch(r"\d+x\d+", n)]  # kernels.py --shapes KxN
+    return bad
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_python_flags_exist(script):
+    """Every --flag a script passes to ``python benchmarks/X.py`` is one X.py's argument parser defines, and every
+    shape / variant / method it names is one X.py knows."""
+    bad = _undefined_flags(_commands(script))
     assert not bad, f"{script.name} passes flags the scripts do not define: {bad}"
 
 
@@ -110,8 +117,10 @@ exit 0
 SITECUSTOMIZE = "import torch\ntorch.cuda.get_device_name = lambda *a, **k: 'Stub GPU'\n"
 
 
-def _dry_run(tmp_path: Path, args: list[str], **env) -> tuple[subprocess.CompletedProcess, list[str], Path]:
-    """Run ``bash benchmarks/run_gpu.sh ARGS`` against the stub python; (process, logged python calls, OUT)."""
+def _dry_run(tmp_path: Path, args: list[str], *, command: str | None = None,
+             **env) -> tuple[subprocess.CompletedProcess, list[str], Path]:
+    """Run ``bash benchmarks/run_gpu.sh ARGS`` (or the shell COMMAND, as a device call would) against the stub
+    python; (process, logged python calls, OUT)."""
     import sys
 
     bin_dir, site, out = tmp_path / "bin", tmp_path / "site", tmp_path / "out"
@@ -123,8 +132,8 @@ def _dry_run(tmp_path: Path, args: list[str], **env) -> tuple[subprocess.Complet
     log = tmp_path / "calls.log"
     full_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(site), "OUT": str(out),
                 "LQE_STUB_LOG": str(log), "LQE_REAL_PY": sys.executable, "LQE_CUDA_ARCHS": "90a", **env}
-    proc = subprocess.run(["bash", "benchmarks/run_gpu.sh", *args], cwd=ROOT, env=full_env, capture_output=True,
-                          text=True, timeout=120)
+    argv = ["bash", "-c", command] if command is not None else ["bash", "benchmarks/run_gpu.sh", *args]
+    proc = subprocess.run(argv, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=120)
     calls = log.read_text().splitlines() if log.exists() else []
     return proc, calls, out
 
@@ -400,3 +409,38 @@ def test_gpu_test_groups_keep_files_together_and_balance_cost():
     assert cost("tests/gpu/test_gemm_wna16.py::t[0]") == 0.25  # measured: its seconds per test
     loads = [sum(map(cost, g)) for g in groups]
     assert max(loads) - min(loads) <= max(map(cost, ids)) * 30, loads
+
+
+RUNBOOK = ROOT / "benchmarks" / "GPU_RUNBOOK.md"
+
+
+def _runbook_calls() -> list[str]:
+    """The device calls benchmarks/GPU_RUNBOOK.md lists: its ```bash blocks, one command each."""
+    blocks = re.findall(r"```bash\n(.*?)```", RUNBOOK.read_text(), flags=re.S)
+    return [b.strip() for b in blocks]
+
+
+def test_runbook_lists_a_call_per_open_gpu_stage():
+    calls = _runbook_calls()
+    assert len(calls) >= 10, calls
+    assert all("\n" not in c for c in calls), "one line per call (a device call is one command line)"
+    stages = {m for c in calls for m in re.findall(r"run_gpu\.sh --(\w+)", c)}
+    assert stages == {"pdl", "w4a16", "w8a8", "engine", "kvcache"}, stages
+    assert any("run_gpu.sh;" in c or c.endswith("run_gpu.sh") for c in calls), "the gate itself"
+    assert any("calibration_gpu.py" in c for c in calls)
+    bad = _undefined_flags([c.replace("\\\n", " ") for c in calls])
+    assert not bad, f"the runbook passes flags the scripts do not define: {bad}"
+
+
+@pytest.mark.parametrize("call", _runbook_calls(), ids=lambda c: re.sub(r"\W+", "-", c[-60:]).strip("-"))
+def test_runbook_calls_dry_run(tmp_path, call):
+    """Each call in the runbook, as written there, runs on the stub GPU machine: the device tool's 2,000 characters,
+    exit 0, no unset variable or missing command, a python call made, and at most 8 files back from $OUT."""
+    command = call.replace("<commit>", "abc1234")
+    assert len(command) <= 2000, f"{len(command)} characters: a device call takes 2,000 at most"
+    proc, calls, out = _dry_run(tmp_path, [], command=command)
+    assert proc.returncode == 0, f"{call}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "unbound variable" not in proc.stderr and "command not found" not in proc.stderr, proc.stderr
+    assert calls, "the call ran no python"
+    if out.exists():
+        _assert_comes_back(out)
