@@ -10,6 +10,7 @@ PYTHONPATH=$PWD /tmp/t36/bin/python -m pytest tests/test_hopper_launches.py``.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -317,9 +318,11 @@ def _pdl_order(name: str, kernel) -> None:
         sass = subprocess.run([path_to_cuobjdump(), "-sass", f.name], capture_output=True, text=True,
                               check=True).stdout
     assert "ACQBULK" in sass, f"{name}: no griddepcontrol.wait in the SASS"
-    assert _sass_check().check_pdl(sass) == [], f"{name}: {_sass_check().check_pdl(sass)[:3]}"
+    problems = _sass_check().check_pdl(sass)
+    assert problems == [], f"{name}: {problems[:3]}"
 
 
+@functools.cache
 def _sass_check():
     spec = importlib.util.spec_from_file_location("sass_check", os.path.join(os.path.dirname(__file__), "..", ".ci",
                                                                              "sass_check.py"))
