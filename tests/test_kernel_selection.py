@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 
 import pytest
@@ -435,8 +436,9 @@ def test_pdl_is_refused_where_it_would_not_apply():
                          torch.rand(2, 128, generator=g) * 0.01 + 0.001, None, None, 4, 128)
     x = torch.randn(3, 256, dtype=torch.bfloat16)
     p = repack.repack_wna16(cw, torch.bfloat16)
-    for path in ("triton-wna16", "dequant", "triton-dequant+cublas"):
-        with pytest.raises(ValueError, match=f"pdl=True applies to the CUDA GEMV .*not to '"):
+    for path, name in (("triton-wna16", "triton-wna16"), ("dequant", "dequant+cublas"),
+                       ("triton-dequant+cublas", "triton-dequant+cublas")):
+        with pytest.raises(ValueError, match=f"pdl=True applies to the CUDA GEMV .*not to {re.escape(repr(name))}"):
             gemm.wna16_gemm(x, p, path=path, pdl=True)
     with pytest.raises(ValueError, match="not to lqe-w4a16-mma weights"):
         gemm.wna16_gemm(x, repack_mma.repack_mma(cw, torch.bfloat16), pdl=True)
