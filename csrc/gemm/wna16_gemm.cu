@@ -295,37 +295,46 @@ __global__ void wna16_dequant_kernel(const uint4* __restrict__ B, const T* __res
   }
 }
 
+// One GEMM call's operands, passed down the template dispatch (dtype, bits, zero points, M tile) as they are.
+struct GemmCall {
+  const void *x, *qw, *s, *z, *bias;
+  void* out;
+  float* ws;
+  int* counters;
+  int M, N, K, gs, spp;
+  bool ring, pdl;
+  cudaStream_t st;
+};
+
 template <typename T, int BITS, int MT, bool ZP, bool RING = false>
-void run_gemm(const void* x, const void* qw, const void* s, const void* z, const void* bias, void* out, float* ws,
-              int* counters, int M, int N, int K, int gs, int spp, bool pdl, cudaStream_t st) {
-  const int splits = (K / 16 + spp - 1) / spp;
-  dim3 grid((N + kWna16BlockN - 1) / kWna16BlockN, (M + MT * 16 - 1) / (MT * 16), splits);
+void run_gemm(const GemmCall& c) {
+  const int splits = (c.K / 16 + c.spp - 1) / c.spp;
+  dim3 grid((c.N + kWna16BlockN - 1) / kWna16BlockN, (c.M + MT * 16 - 1) / (MT * 16), splits);
   auto* kernel = wna16_gemm_kernel<T, BITS, MT, ZP, RING>;
   // pdl only where the kernel waits (gemm_common.cuh), asked on the first PDL launch only: a launch without PDL (the
   // default) never queries the function's attributes, also not inside a CUDA-graph capture
   static std::atomic<int> has_wait{-1};
-  if (pdl && has_wait.load(std::memory_order_relaxed) < 0) has_wait.store(kernel_has_pdl_wait(kernel) ? 1 : 0);
-  pdl = pdl && has_wait.load(std::memory_order_relaxed) == 1;
+  if (c.pdl && has_wait.load(std::memory_order_relaxed) < 0) has_wait.store(kernel_has_pdl_wait(kernel) ? 1 : 0);
+  const bool pdl = c.pdl && has_wait.load(std::memory_order_relaxed) == 1;
   // the L2 prefetch before the wait: kPdlPrefetchBytes per warp (at 16 warps per SM x 132 SMs, 17 MB: within L2)
   const int prefetch_slabs = pdl && MT == 1 ? kPdlPrefetchBytes / (512 * (BITS / 4)) : 0;
-  launch_pdl(kernel, grid, dim3(kWna16Threads), st, pdl, (const T*)x, (const uint4*)qw, (const T*)s, (const T*)z,
-             (const T*)bias, (T*)out, ws, counters, M, N, K, gs, spp, prefetch_slabs);
+  launch_pdl(kernel, grid, dim3(kWna16Threads), c.st, pdl, (const T*)c.x, (const uint4*)c.qw, (const T*)c.s,
+             (const T*)c.z, (const T*)c.bias, (T*)c.out, c.ws, c.counters, c.M, c.N, c.K, c.gs, c.spp,
+             prefetch_slabs);
 }
 
 template <typename T, int BITS, bool ZP>
-void run_gemm_mt(const void* x, const void* qw, const void* s, const void* z, const void* bias, void* out,
-                 float* ws, int* counters, int M, int N, int K, int gs, int spp, bool ring, bool pdl, cudaStream_t st) {
-  if (M <= 16 && ring) run_gemm<T, BITS, 1, ZP, true>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, pdl, st);
-  else if (M <= 16) run_gemm<T, BITS, 1, ZP>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, pdl, st);
-  else if (M <= 32) run_gemm<T, BITS, 2, ZP>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, pdl, st);
-  else run_gemm<T, BITS, 4, ZP>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, pdl, st);
+void run_gemm_mt(const GemmCall& c) {
+  if (c.M <= 16 && c.ring) run_gemm<T, BITS, 1, ZP, true>(c);
+  else if (c.M <= 16) run_gemm<T, BITS, 1, ZP>(c);
+  else if (c.M <= 32) run_gemm<T, BITS, 2, ZP>(c);
+  else run_gemm<T, BITS, 4, ZP>(c);
 }
 
 template <typename T, int BITS>
-void run_typed(const void* x, const void* qw, const void* s, const void* z, const void* bias, void* out, float* ws,
-               int* counters, int M, int N, int K, int gs, int spp, bool ring, bool pdl, cudaStream_t st) {
-  if (z) run_gemm_mt<T, BITS, true>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, ring, pdl, st);
-  else run_gemm_mt<T, BITS, false>(x, qw, s, z, bias, out, ws, counters, M, N, K, gs, spp, ring, pdl, st);
+void run_typed(const GemmCall& c) {
+  if (c.z) run_gemm_mt<T, BITS, true>(c);
+  else run_gemm_mt<T, BITS, false>(c);
 }
 
 template <typename T, int BITS>
@@ -352,12 +361,13 @@ const char* launch_wna16_gemm(DType dt, int bits, const void* x, const void* qwe
   if (const char* e = check_shape(bits, N, K, group_size)) return e;
   if (spp <= 0 || spp % kUnroll != 0) return "slabs_per_split must be a positive multiple of 4";
   if (M <= 0) return nullptr;
+  const GemmCall c{x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, group_size, spp, ring, pdl, st};
   if (dt == DType::kHalf) {
-    if (bits == 4) run_typed<half, 4>(x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, group_size, spp, ring, pdl, st);
-    else run_typed<half, 8>(x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, group_size, spp, ring, pdl, st);
+    if (bits == 4) run_typed<half, 4>(c);
+    else run_typed<half, 8>(c);
   } else {
-    if (bits == 4) run_typed<__nv_bfloat16, 4>(x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, group_size, spp, ring, pdl, st);
-    else run_typed<__nv_bfloat16, 8>(x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, group_size, spp, ring, pdl, st);
+    if (bits == 4) run_typed<__nv_bfloat16, 4>(c);
+    else run_typed<__nv_bfloat16, 8>(c);
   }
   return nullptr;
 }
