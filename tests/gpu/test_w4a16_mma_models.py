@@ -32,6 +32,8 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 # LQE_WNA16_TABLE -> words every quantized layer's path description holds (the layout its layers are repacked into)
 TABLES = {"mma": "lqe-w4a16-mma (", "swap": ": triton-wna16-swap",  # (swap / ring: a row of the table it names)
           "ring": ": lqe-wna16-ring"}
+# the tables whose layers are repacked into the wna16 layout, which refuses K or N not a multiple of 64
+WNA16_LAYOUT_TABLES = {"swap", "ring"}
 
 
 @pytest.fixture(autouse=True, params=list(TABLES))
@@ -60,9 +62,9 @@ def torch_path_logprobs(checkpoint: str, dtype: torch.dtype) -> torch.Tensor:
 def test_format_on_table_matches_cpu_fp32(name, dtype, checkpoints, table):
     want = cpu_reference(checkpoints[name])
     got, paths = prompt_logprobs(checkpoints[name], "cuda", dtype)
-    # (the swap table runs on the wna16 layout: a layer that layout refuses, K not a multiple of 64, keeps the
-    # dequant-matmul fallback, whose description names why; the mma table pads K, so it takes every layer)
-    fallback = FORMATS[name].why if table == "swap" and FORMATS[name].path == "torch" else None
+    # (the swap and ring tables run on the wna16 layout: a layer that layout refuses, K not a multiple of 64, keeps
+    # the dequant-matmul fallback, whose description names why; the mma table pads K, so it takes every layer)
+    fallback = FORMATS[name].why if table in WNA16_LAYOUT_TABLES and FORMATS[name].path == "torch" else None
     assert paths and all(TABLES[table] in p or (fallback and fallback in p) for p in paths), paths
     torch_path = torch_path_logprobs(checkpoints[name], dtype)
     err, err_torch = (got - want).abs().max().item(), (torch_path - want).abs().max().item()
