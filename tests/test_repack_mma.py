@@ -204,9 +204,11 @@ def test_tables_resolve_to_one_layout(monkeypatch):
     assert gemm.table_uses_mma(list(mma)) and not gemm.table_uses_mma(dispatch.WNA16_TABLE)
     assert set(n for _, n in gemm._table_for("cuda:0", True, True, True, mma)) == {
         "lqe-w4a16-mma", "lqe-w4a16-mma-dequant+cublas"}
-    legacy = tuple(dispatch.WNA16_TABLE)
-    on_mma = gemm._table_for("cuda:0", True, True, True, legacy)
-    assert [n for _, n in on_mma] == ["lqe-w4a16-mma", "lqe-w4a16-mma", "lqe-w4a16-mma-dequant+cublas"]
+    wna16_rows = ((2, "lqe-wna16-fused"), (64, "triton-wna16-swap"), (128, "triton-wna16"),
+                  (None, "triton-dequant+cublas"))  # (a wna16-layout table: every GEMM row, then dequantize + cuBLAS)
+    on_mma = gemm._table_for("cuda:0", True, True, True, wna16_rows)
+    assert on_mma == ((2, "lqe-w4a16-mma"), (64, "lqe-w4a16-mma"), (128, "lqe-w4a16-mma"),
+                      (None, "lqe-w4a16-mma-dequant+cublas"))
     assert [n for _, n in gemm._table_for("cuda:0", True, True, False, mma)] == ["triton-wna16", "triton-dequant+cublas"]
     assert [n for _, n in gemm._table_for("cuda:0", True, False, False, mma)] == ["lqe-wna16-fused", "dequant+cublas"]
     monkeypatch.setenv("LQE_WNA16_TABLE", "mma")

@@ -22,23 +22,37 @@ from __future__ import annotations
 # been swept yet (benchmarks/kernels.py --wna16-sweep).
 # H200, 0ebe3f7, graph-timed (benchmarks/results/kernels-graph-nvidia-h200.json, geo-mean over the 4 shapes): the
 # CUDA kernel 1.40x at M=1, 1.05x at M=4 (triton-wna16 1.07x); triton-wna16 0.88x at M=16, 0.62x at M=64;
-# dequant + cuBLAS 0.51x at M=256 (triton-wna16 0.46x), 0.81x at M=1024 (2 shapes): the rows below hold. The CUDA
-# kernel streamed its weights at 0.4-0.9 TB/s of 4.25 (its loads now run ahead of its compute: not measured yet).
+# dequant + cuBLAS 0.51x at M=256 (triton-wna16 0.46x), 0.81x at M=1024 (2 shapes).
+# H200, af342f8 (2026-11-27), graph-timed, the whole M sweep on the 4 Llama-3-8B shapes
+# (benchmarks/results/kernels-w4a16-nvidia-h200.json; geo-mean / worst shape, x cuBLAS bf16 of the same run), which
+# set the rows below:
+#   M                        1          2          4          8          16         32         64         128        256
+#   lqe-wna16-fused + PDL    1.69/1.58  1.62/1.49  1.41/1.25  1.09/0.90  0.78/0.57
+#   lqe-wna16-fused          1.54/1.42  1.49/1.35  1.32/1.12  (the layer path of the old table: row "lqe-w4a16")
+#   triton-wna16-swap        1.57/1.33  1.61/1.37  1.60/1.36  1.49/1.26  1.32/1.05  1.24/1.00  1.01/0.74  0.48/0.35
+#   triton-wna16             1.08/0.92  1.11/0.94  1.11/0.94  1.04/0.88  0.96/0.84  0.90/0.78  0.67/0.58  0.65/0.47
+#   triton-dequant+cublas    (the old table's layer path above M = 128)                                     0.50/0.47
+# and at M=1024 triton-dequant+cublas 0.79x (triton-wna16 0.50x). The swapped-operand GEMM takes M = 3..64 (the old
+# table's 1.32 / 1.04 / 0.96 / 0.90 / 0.67x at M = 4 / 8 / 16 / 32 / 64 become 1.60 / 1.49 / 1.32 / 1.24 / 1.01x);
+# the CUDA GEMV keeps M <= 2 with PDL (on by default on sm_90+: device_info.pdl_enabled), level with the swap GEMM at
+# M = 2 but 9 % better on the worst shape. The mma layout (WNA16_MMA_TABLE) beats this table at M = 8 / 16 (1.51 /
+# 1.44x) and 256 / 1024 (its dequantize + cuBLAS 0.59 / 0.84x), loses at M = 1 / 32 / 64 / 128 (1.57 / 1.13 / 0.63 /
+# 0.50x): one layout per layer, so this one stays. Not measured on this table yet: the e2e rows (smollm2, llama3-8b
+# shapes), where on the H100 a small-K layer (K=576) ranked the kernels differently from these shapes.
 WNA16_TABLE: list[tuple[int | None, str]] = [
-    (4, "lqe-wna16-fused"),  # 1.5-2.1x cuBLAS bf16 at M=1 (H100, eager)
-    (128, "triton-wna16"),  # 0.2-1.5x: good on wide N (gate_up 1.5x), poor on N=4096-6144 at M<=16 (0.2-0.3x)
-    (None, "triton-dequant+cublas"),  # 0.5-0.8x: the dequantize runs at 85 % of copy bandwidth, then cuBLAS
+    (2, "lqe-wna16-fused"),  # 1.69 / 1.62x cuBLAS bf16 at M = 1 / 2 with PDL (H200, af342f8)
+    (64, "triton-wna16-swap"),  # 1.60 / 1.49 / 1.32 / 1.24 / 1.01x at M = 4 / 8 / 16 / 32 / 64
+    (128, "triton-wna16"),  # 0.65x (swap 0.48x)
+    (None, "triton-dequant+cublas"),  # 0.50x at M=256, 0.79x at 1024: the dequantize at ~85 % of copy bandwidth
 ]
 # "triton-wna16-swap" (lqe/kernels/triton_wna16.py, swap_ab; its configs per M in SWAP_CONFIG_TABLE): the same Triton
 # GEMM on the same packed weights computing out^T = W^T x^T, so on Hopper the dequantized weights are wgmma's register
-# operand (never stored to shared memory) and the tokens are wgmma's N (M = 16 is not padded to 64 rows). NOT
-# MEASURED YET: benchmarks/kernels.py times it as the row "triton-wna16-swap" beside "triton-wna16"; a model runs it
-# on WNA16_SWAP_TABLE with LQE_WNA16_TABLE=swap (e2e_gpu.py's variant w4a16-swap), the hypothesis to measure: the
-# swapped GEMM in place of triton-wna16, and above it while its 128-token tiles beat dequantize + cuBLAS.
+# operand (never stored to shared memory) and the tokens are wgmma's N (M = 16 is not padded to 64 rows). In
+# WNA16_TABLE since af342f8's H200 sweep (above); this candidate table (LQE_WNA16_TABLE=swap, e2e variant w4a16-swap)
+# runs it from M = 5 to 256 instead, the guess it was written with.
 # "triton-dequant-l2+cublas" (triton_wna16.dequant_matmul with l2_chunk_cols): dequantize + cuBLAS in column chunks
-# that fit in half the L2, each chunk's GEMM right after its dequantize. NOT MEASURED YET: benchmarks/kernels.py times
-# it beside "triton-dequant+cublas"; the hypothesis is that cuBLAS reads each chunk from L2, so at large M (where
-# dequantize + cuBLAS is ~0.75x bf16: the dense weights' round trip through HBM) it nears cuBLAS bf16 itself.
+# that fit in half the L2, each chunk's GEMM right after its dequantize. Measured on the H200 at af342f8: 0.38 / 0.43 /
+# 0.73x at M = 128 / 256 / 1024, below the whole dequantize + cuBLAS (0.50x at 256, 0.79x at 1024): not in a table.
 WNA16_SWAP_TABLE: list[tuple[int | None, str]] = [
     (4, "lqe-wna16-fused"),
     (256, "triton-wna16-swap"),  # guessed crossover
@@ -48,9 +62,11 @@ WNA16_SWAP_TABLE: list[tuple[int | None, str]] = [
 # cp.async ring (3 batches of 2 KB in flight per warp, counted waits) instead of the register double buffer, which a
 # SASS review found waiting on every batch issued (one shared scoreboard: ~2 KB in flight per warp, predicted 35-52 %
 # of the copy bandwidth; measured 0.4-0.9 TB/s of 4.25 at 0ebe3f7); its split-K tail takes one release-acquire atomic
-# instead of two fences per thread and loads the bias before the sums. Same results, bit for bit. NOT MEASURED: the row
-# "lqe-w4a16-fused-ring" (benchmarks/kernels.py), LQE_WNA16_TABLE=ring (e2e variant w4a16-ring); the crossover to
-# triton-wna16 is a guess.
+# instead of two fences per thread and loads the bias before the sums. Same results, bit for bit. Measured on the H200
+# at af342f8 (kernels-w4a16-nvidia-h200.json, row "lqe-w4a16-fused-ring"): 1.28 / 1.24 / 1.11 / 0.88 / 0.66x cuBLAS
+# bf16 at M = 1 / 2 / 4 / 8 / 16, against the register double buffer's 1.54 / 1.49 / 1.32 / 1.04 / 0.96x; with PDL
+# 1.37 / 1.18x at M = 1 / 4 against 1.69 / 1.41x. The ring loses at every M, so this table stays a candidate
+# (LQE_WNA16_TABLE=ring, e2e variant w4a16-ring).
 WNA16_RING_TABLE: list[tuple[int | None, str]] = [
     (16, "lqe-wna16-ring"),
     (128, "triton-wna16"),
@@ -58,10 +74,10 @@ WNA16_RING_TABLE: list[tuple[int | None, str]] = [
 ]
 # "lqe-w4a16-mma" (issue 24; csrc/gemm/w4a16_mma.cu): the Marlin-class tensor-core GEMM (persistent stripes,
 # 4-stage cp.async, in-L2 reduction; 64-row problems), on its own weight layout (lqe/kernels/repack_mma.py), with
-# "lqe-w4a16-mma-dequant+cublas" (its dequantize, then cuBLAS) above the crossover. NOT MEASURED YET, so it is
-# not the default: benchmarks/kernels.py times it as the candidate (rows "lqe-w4a16-mma*") and prints the table
-# its measurement implies (kernels.py --w4a16). To run it in a model before that: LQE_WNA16_TABLE=mma, or put
-# its rows here. A table naming lqe-w4a16-mma repacks layers into the mma layout, which serves only these two
+# "lqe-w4a16-mma-dequant+cublas" (its dequantize, then cuBLAS) above the crossover. Not the default (the comparison
+# with WNA16_TABLE is above it): benchmarks/kernels.py times it as the candidate (rows "lqe-w4a16-mma*") and prints the
+# table its measurement implies (kernels.py --w4a16). To run it in a model: LQE_WNA16_TABLE=mma, or put its rows
+# here. A table naming lqe-w4a16-mma repacks layers into the mma layout, which serves only these two
 # names (a wna16-layout row resolves to its mma counterpart: one copy of the weights per layer).
 # Measured on the H200 at 0ebe3f7 (graph-timed): 0.51 / 0.44 / 0.20x cuBLAS bf16 at M = 1 / 16 / 64, about 10x its
 # byte floor: a serialized in-L2 reduction (7 handoffs per column tile, each a chain of L2 round trips) and a main
@@ -70,6 +86,9 @@ WNA16_RING_TABLE: list[tuple[int | None, str]] = [
 # k-tile's one scale group fetched once (group sizes 2^n >= 64, channel-wise), the piece loop and hoisted addresses
 # (one warp's static schedule per k-tile 922 -> 641 cycles at M <= 16, 1560 -> 1128 at 64; a single warp per SM
 # sub-partition, so latency-bound: the "-2cta" row runs two blocks per SM); an 8-stage ring at M <= 16.
+# Measured on the H200 at af342f8 (kernels-w4a16-nvidia-h200.json, 4 shapes): 1.57 / 1.58 / 1.51 / 1.44 / 1.13 / 0.63 /
+# 0.38x at M = 1 / 4 / 8 / 16 / 32 / 64 / 128 (three times 0ebe3f7's at M = 1 and 16); "-2cta" 1.59 / 1.31 / 0.42x
+# at M = 1 / 16 / 64; its dequantize + cuBLAS 0.59 / 0.84x at M = 256 / 1024. The rows below are what it implies.
 WNA16_MMA_TABLE: list[tuple[int | None, str]] = [
     (64, "lqe-w4a16-mma"),
     (None, "lqe-w4a16-mma-dequant+cublas"),
