@@ -4,7 +4,8 @@ Variants: ``bf16``; ``w4a16`` (GPTQ W4 g128 on ``dispatch.WNA16_TABLE``) and ``w
 ``dispatch.WNA16_MMA_TABLE``: the lqe-w4a16-mma GEMM, issue 24), ``w4a16-swap`` (the same on ``WNA16_SWAP_TABLE``: the
 swapped-operand Triton GEMM), ``w4a16-ring`` (the same on ``WNA16_RING_TABLE``: the CUDA GEMV's cp.async ring at
 M <= 16); ``bf16-pdl`` / ``w4a16-pdl`` / ``w4a16-ring-pdl`` / ``w8a8-pdl`` / ``fp8-pdl`` (those with programmatic
-dependent launch, ``LQE_PDL=1``); ``w8a8`` (a converted W8A8 checkpoint),
+dependent launch, ``LQE_PDL=1``: the default on sm_90+) and ``bf16-nopdl`` / ``w4a16-nopdl`` / ``w8a8-nopdl`` /
+``fp8-nopdl`` (without it, ``LQE_PDL=0``); ``w8a8`` (a converted W8A8 checkpoint),
 ``w8a8-online`` and ``fp8`` (the bf16 checkpoint quantized at load time, issue 25).
 
 Per (model shape, variant) it measures, through the public API (``LLM.generate`` on token-id prompts, greedy,
@@ -96,7 +97,8 @@ SHAPES = {  # HF config fields of the real models; weights are random
 }
 VARIANTS = {"bf16": None, "w4a16": "gptq", "w4a16-mma": "gptq", "w4a16-swap": "gptq", "w4a16-ring": "gptq",
             "bf16-pdl": None, "w4a16-pdl": "gptq", "w4a16-ring-pdl": "gptq", "w8a8-pdl": "w8a8",
-            "fp8-pdl": "online:fp8",
+            "fp8-pdl": "online:fp8", "bf16-nopdl": None, "w4a16-nopdl": "gptq", "w8a8-nopdl": "w8a8",
+            "fp8-nopdl": "online:fp8",
             "w8a8": "w8a8", "w8a8-online": "online:int8", "fp8": "online:fp8"}  # variant -> tools.convert --format
 # ("online:<kind>": the bf16 checkpoint loaded with quantization=<kind>: per-channel weights, dynamic per-token
 # activations, quantized at load time; issue 25)
@@ -105,9 +107,11 @@ VARIANT_ENV = {"w4a16-mma": {"LQE_WNA16_TABLE": "mma"}, "w4a16-swap": {"LQE_WNA1
                "w4a16-ring": {"LQE_WNA16_TABLE": "ring"},
                # with programmatic dependent launch (LQE_PDL=1, sm_90+: the CUDA GEMV and the Triton kernels of a
                # decode step; lqe.kernels.device_info.pdl_enabled): bf16 (its Triton kernels; cuBLAS keeps the plain
-               # order), w4a16 on the default / ring table, w8a8, fp8
+               # order), w4a16 on the default / ring table, w8a8, fp8. PDL is the default on sm_90+ since af342f8's
+               # H200 rows, so the plain variants run with it there and the -nopdl twins (LQE_PDL=0) without
                "w4a16-pdl": {"LQE_PDL": "1"}, "w4a16-ring-pdl": {"LQE_WNA16_TABLE": "ring", "LQE_PDL": "1"},
-               "bf16-pdl": {"LQE_PDL": "1"}, "w8a8-pdl": {"LQE_PDL": "1"}, "fp8-pdl": {"LQE_PDL": "1"}}
+               "bf16-pdl": {"LQE_PDL": "1"}, "w8a8-pdl": {"LQE_PDL": "1"}, "fp8-pdl": {"LQE_PDL": "1"},
+               **{f"{v}-nopdl": {"LQE_PDL": "0"} for v in ("bf16", "w4a16", "w8a8", "fp8")}}
 MAX_MODEL_LEN = 2048 + 64
 SHARD_BYTES = 4 << 30
 

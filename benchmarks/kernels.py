@@ -209,8 +209,9 @@ def add_w4a16_rows(out: dict, k: int, n: int, dev: str = "cuda") -> None:
     p4 = rotating(lambda: lk.repack_wna16(random_w4(k, n, dev), torch.bfloat16), w4bytes)
     for name, path, packed in [("lqe-w4a16", "auto", layer), ("lqe-w4a16-fused", "fused", p4),
                                ("lqe-w4a16-dequant", "dequant", p4)]:
-        out[name] = ((lambda path, packed: lambda x: (lambda p=cycler(packed): lambda: lk.wna16_gemm(
-            x, p(), path=path))())(path, packed), w4bytes)
+        pdl = False if path == "fused" else None  # (the GEMV alone; its -pdl twin is in kernels_w4a16)
+        out[name] = ((lambda path, packed, pdl: lambda x: (lambda p=cycler(packed): lambda: lk.wna16_gemm(
+            x, p(), path=path, pdl=pdl))())(path, packed, pdl), w4bytes)
     add_wna16_candidates(out, k, n, p4, w4bytes, dev)
     from kernels_w4a16 import add_mma_rows  # lqe-w4a16-mma candidate rows (issue 24)
 
@@ -666,7 +667,7 @@ def main(argv=None) -> int:
                     help="only time every triton-wna16 config (and the CUDA GEMM, dequant+cuBLAS) per shape and M")
     ap.add_argument("--w4a16", action="store_true",
                     help="only the W4A16 rows (lqe-w4a16-mma, layer path, int4pack, triton, dequant+cuBLAS, cuBLAS "
-                         "bf16; benchmarks/kernels_w4a16.py) and the WNA16_MMA_TABLE they imply")
+                         "bf16; benchmarks/kernels_w4a16.py) and the WNA16_MMA_TABLE / WNA16_TABLE they imply")
     ap.add_argument("--resume", default=None, help=argparse.SUPPRESS)  # the state a run left when a fault lost its
     # CUDA context (written by on_fault below; the run goes on from it in a fresh process)
     args = ap.parse_args(argv)

@@ -15,12 +15,15 @@ import torch
 from lqe.kernels.device_info import pdl_supported
 
 MMA_ROWS = ("lqe-w4a16-mma", "lqe-w4a16-mma-dequant+cublas")
-FUSED_SPLIT_ROWS = {"lqe-w4a16-fused-t2": 2, "lqe-w4a16-fused-t8": 8}  # timed at M <= 16 only
-FUSED_RING_ROW = "lqe-w4a16-fused-ring"  # the CUDA GEMV on its cp.async ring (lqe-wna16-ring), M <= 16 only
-# the CUDA GEMV (default / ring) with programmatic dependent launch (sm_90+, M <= 16 only): back-to-back calls in the
-# timed graph, each requesting its first weight batches while the call before it finishes (LQE_PDL=1 in a model)
+# The CUDA GEMV rows are timed at M <= 16 only, each without PDL unless its name ends in -pdl (whatever LQE_PDL says):
+# its default split-K ("lqe-w4a16-fused") and fewer / more split-K blocks (-t2 / -t8),
+FUSED_ROW = "lqe-w4a16-fused"
+FUSED_SPLIT_ROWS = {"lqe-w4a16-fused-t2": 2, "lqe-w4a16-fused-t8": 8}
+FUSED_RING_ROW = "lqe-w4a16-fused-ring"  # its cp.async ring (lqe-wna16-ring)
+# and the default / ring with programmatic dependent launch (sm_90+): back-to-back calls in the timed graph, each
+# requesting its first weight batches while the call before it finishes (a model's default on sm_90+)
 FUSED_PDL_ROWS = {"lqe-w4a16-fused-pdl": "fused", "lqe-w4a16-fused-ring-pdl": "ring"}
-SMALL_M_ROWS = (*FUSED_SPLIT_ROWS, FUSED_RING_ROW, *FUSED_PDL_ROWS)  # timed at M <= 16 only
+SMALL_M_ROWS = (FUSED_ROW, *FUSED_SPLIT_ROWS, FUSED_RING_ROW, *FUSED_PDL_ROWS)
 # not a table name: gemm_mma.mma_gemm's sms (stripes) at 2 x the SM count. Two blocks share an SM only where their
 # shared memory fits: the 8-stage M <= 16 kernel takes 88 KB (two fit an H100 / H200's 227 KB, not an A100's 164)
 MMA_2CTA_ROW = "lqe-w4a16-mma-2cta"
@@ -84,18 +87,15 @@ def w4a16_candidates(k: int, n: int, rotating, cycler, dev: str = "cuda") -> dic
         from lqe.kernels import gemm_mma
 
         sms = gemm_mma.sm_count(torch.device(dev))
-        for per_sm in FUSED_SPLIT_ROWS.values():
-            splits = max(1, sms * per_sm // max(1, -(-n // 256)))
-            out[f"lqe-w4a16-fused-t{per_sm}"] = ((lambda splits: lambda x: (lambda p=cycler(p4): lambda: lk.wna16_gemm(
-                x, p(), path="fused", splits=splits))())(splits), w4bytes)
-        out[FUSED_RING_ROW] = ((lambda x: (lambda p=cycler(p4): lambda: lk.wna16_gemm(x, p(), path="ring"))()),
-                               w4bytes)
+        gemv = [(FUSED_ROW, "fused", None, False), (FUSED_RING_ROW, "ring", None, False)]
+        gemv += [(name, "fused", max(1, sms * per_sm // max(1, -(-n // 256))), False)
+                 for name, per_sm in FUSED_SPLIT_ROWS.items()]
         if pdl_supported(torch.device(dev)):
-            for name, path in FUSED_PDL_ROWS.items():
-                out[name] = ((lambda path: lambda x: (lambda p=cycler(p4): lambda: lk.wna16_gemm(
-                    x, p(), path=path, pdl=True))())(path), w4bytes)
-        for extra in ("triton-dequant+cublas", "triton-dequant-only"):  # dequant + cuBLAS is lqe-w4a16-dequant
-            out.pop(extra, None)
+            gemv += [(name, path, None, True) for name, path in FUSED_PDL_ROWS.items()]
+        for name, path, splits, pdl in gemv:
+            out[name] = ((lambda path, splits, pdl: lambda x: (lambda p=cycler(p4): lambda: lk.wna16_gemm(
+                x, p(), path=path, splits=splits, pdl=pdl))())(path, splits, pdl), w4bytes)
+        out.pop("triton-dequant-only", None)
         add_mma_rows(out, k, n, rotating, cycler, dev)
     else:
         print(f"# lqe kernels unavailable: {lk.unavailable_reason()}")
@@ -167,15 +167,29 @@ def w4a16_sweep(shapes: list[str], ms: list[int], copy_gbps: float, bench, rotat
                 if sp:
                     by_m.setdefault(m, {}).setdefault(name, []).append(sp)
                 print(f"{name:30s} {m:5d} {us:9.2f} {fl:9.2f} {gbps:7.0f} {sp if sp else '':>9}")
-        if on_shape:  # the caller saves what is measured so far, with the table it implies so far
-            on_shape(rows, {"WNA16_MMA_TABLE": implied_mma_table(by_m, i + 1)} if by_m else None)
+        if on_shape:  # the caller saves what is measured so far, with the tables it implies so far
+            on_shape(rows, implied_w4a16_tables(rows, by_m, i + 1) if by_m else None)
     print("# W4A16: geometric-mean speed-up over cuBLAS bf16 across shapes")
     for m, d in sorted(by_m.items()):
         gm = sorted(((math.exp(sum(map(math.log, v)) / len(v)), nm) for nm, v in d.items() if len(v) == len(shapes)),
                     reverse=True)
         print(f"#   M={m:5d}: " + ", ".join(f"{nm} {g:.2f}x" for g, nm in gm))
-    table = implied_mma_table(by_m, len(shapes))
-    print(f"# implied dispatch.WNA16_MMA_TABLE ({gpu}): {table}")
-    if on_shape:  # the table goes into the JSON's implied_tables, beside the other implied tables (not as a row:
-        on_shape(rows, {"WNA16_MMA_TABLE": table})  # every row has a kernel, shape and M)
+    tables = implied_w4a16_tables(rows, by_m, len(shapes))
+    for label, table in tables.items():
+        print(f"# implied dispatch.{label} ({gpu}): {table}")
+    if on_shape:  # the tables go into the JSON's implied_tables, beside the other implied tables (not as rows:
+        on_shape(rows, tables)  # every row has a kernel, shape and M)
     return rows
+
+
+def implied_w4a16_tables(rows: list[dict], by_m: dict[int, dict[str, list[float]]], num_shapes: int) -> dict:
+    """The table per weight layout the rows imply: ``WNA16_MMA_TABLE`` (mma layout) and, where the wna16-layout
+    kernels were timed, ``WNA16_TABLE`` (kernels_w8a8.implied_tables: the CUDA GEMV with or without PDL, the Triton
+    GEMMs, dequantize + cuBLAS)."""
+    from kernels_w8a8 import implied_tables
+
+    out = {"WNA16_MMA_TABLE": implied_mma_table(by_m, num_shapes)}
+    wna16 = implied_tables(rows).get("WNA16_TABLE")
+    if wna16:
+        out["WNA16_TABLE"] = wna16
+    return out

@@ -305,3 +305,11 @@ def test_a_table_variant_refuses_layers_that_fell_back(monkeypatch):
             monkeypatch.setattr(device_info, "pdl_supported", lambda device: True)
             e2e_gpu.check_table_honoured(desc)
         assert "LQE_PDL" not in os.environ
+    monkeypatch.setattr(device_info, "pdl_supported", lambda device: True)  # (an sm_90+ GPU, where PDL is the default)
+    assert device_info.pdl_enabled(e2e_gpu.torch.device("cuda"))
+    for variant in ("bf16-nopdl", "w4a16-nopdl", "w8a8-nopdl", "fp8-nopdl"):  # -nopdl rows: the default turned off
+        assert e2e_gpu.VARIANTS[variant] == e2e_gpu.VARIANTS[variant.removesuffix("-nopdl")]
+        with e2e_gpu.variant_env(variant):
+            assert os.environ["LQE_PDL"] == "0" and not device_info.pdl_enabled(e2e_gpu.torch.device("cuda"))
+            e2e_gpu.check_table_honoured(wna_desc)
+        assert "LQE_PDL" not in os.environ

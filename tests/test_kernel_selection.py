@@ -401,8 +401,9 @@ def test_split_k_counters_outlive_a_larger_reserve():
 
 
 def test_pdl_switch(monkeypatch):
-    """LQE_PDL=1 asks for programmatic dependent launch; it takes effect only on a CUDA device of compute capability
-    9.0+ (never on the CPU), and a value other than 0 / 1 / unset is an error that names the accepted ones."""
+    """Programmatic dependent launch is on by default (unset or LQE_PDL=1) and off with LQE_PDL=0; it takes effect only
+    on a CUDA device of compute capability 9.0+ (never on the CPU), and a value other than 0 / 1 / unset is an error
+    that names the accepted ones."""
     from lqe.kernels import device_info
 
     cpu = torch.device("cpu")
@@ -418,11 +419,14 @@ def test_pdl_switch(monkeypatch):
     assert device_info.pdl_enabled(cuda) is True
     monkeypatch.setenv("LQE_PDL", "0")
     assert device_info.pdl_enabled(cuda) is False
+    monkeypatch.delenv("LQE_PDL")
+    assert device_info.pdl_enabled(cuda) is True  # the default on sm_90+
     monkeypatch.setattr(device_info, "_cuda_capability", lambda index: (8, 0))
-    monkeypatch.setenv("LQE_PDL", "1")
-    assert device_info.pdl_enabled(cuda) is False and device_info.pdl_supported(cuda) is False
+    for value in ("1", ""):
+        monkeypatch.setenv("LQE_PDL", value)
+        assert device_info.pdl_enabled(cuda) is False and device_info.pdl_supported(cuda) is False
     monkeypatch.setenv("LQE_PDL", "yes")
-    with pytest.raises(ValueError, match="LQE_PDL='yes'.*use 1"):
+    with pytest.raises(ValueError, match="LQE_PDL='yes'.*use 0"):
         device_info.pdl_enabled(cuda)
 
 

@@ -57,6 +57,12 @@ def test_implied_w4a16_tables_are_one_per_weight_layout():
                               (64, {"triton-wna16": 0.9, "lqe-w4a16-dequant": 0.5}))
             for k, v in speeds.items()]
     assert kw8.implied_tables(rows)["WNA16_TABLE"] == [(1, "lqe-wna16-ring"), (None, "triton-wna16")]
+    # the GEMV with PDL (a model's default on sm_90+) is the same table kernel as without: its faster twin names it
+    rows = [{"kernel": k, "shape": "4096x4096", "m": m, "speedup_vs_cublas": v}
+            for m, speeds in ((1, {"lqe-w4a16-fused": 1.5, "lqe-w4a16-fused-pdl": 1.7, "triton-wna16-swap": 1.6}),
+                              (4, {"lqe-w4a16-fused-pdl": 1.4, "triton-wna16-swap": 1.6}))
+            for k, v in speeds.items()]
+    assert kw8.implied_tables(rows)["WNA16_TABLE"] == [(1, "lqe-wna16-fused"), (None, "triton-wna16-swap")]
 
 
 def test_floor_is_bytes_or_flops_whichever_is_larger():
@@ -199,7 +205,7 @@ def w4a16_on_cpu(monkeypatch):
     monkeypatch.setattr(kb, "add_int4pack_row", lambda *a, **k: None)
     calls = []
     monkeypatch.setattr(lk, "wna16_gemm", lambda x, p, bias=None, out=None, path="auto", **k: calls.append(
-        (path, type(p).__name__) + (("pdl",) if k.get("pdl") else ())))
+        (path, type(p).__name__) + {True: ("pdl",), False: ("no-pdl",), None: ()}[k.get("pdl")]))
     monkeypatch.setattr(tw, "dequantize", lambda p, out=None: calls.append(("dequantize", type(p).__name__)))
     return kb, calls
 
@@ -221,7 +227,7 @@ def test_w4a16_rows_time_their_own_layout_whatever_the_table(w4a16_on_cpu, monke
     import kernels_w4a16 as k4
 
     want = {"lqe-w4a16": ("auto", "PackedMMA"),  # the layer path: what the table gives a layer
-            "lqe-w4a16-fused": ("fused", "PackedWNA16"), "lqe-w4a16-dequant": ("dequant", "PackedWNA16"),
+            "lqe-w4a16-fused": ("fused", "PackedWNA16", "no-pdl"), "lqe-w4a16-dequant": ("dequant", "PackedWNA16"),
             "triton-wna16": ("triton-wna16", "PackedWNA16"), "triton-wna16-swap": ("triton-wna16-swap", "PackedWNA16"),
             "triton-dequant+cublas": ("triton-dequant+cublas", "PackedWNA16"),
             "triton-dequant-l2+cublas": ("triton-dequant-l2+cublas", "PackedWNA16"),
@@ -229,14 +235,17 @@ def test_w4a16_rows_time_their_own_layout_whatever_the_table(w4a16_on_cpu, monke
             "lqe-w4a16-mma": ("lqe-w4a16-mma", "PackedMMA"),
             "lqe-w4a16-mma-dequant+cublas": ("lqe-w4a16-mma-dequant+cublas", "PackedMMA"),
             "lqe-w4a16-mma-2cta": ("lqe-w4a16-mma", "PackedMMA"),
-            "lqe-w4a16-fused-t2": ("fused", "PackedWNA16"), "lqe-w4a16-fused-t8": ("fused", "PackedWNA16"),
-            "lqe-w4a16-fused-ring": ("ring", "PackedWNA16"),
+            # (the GEMV rows without -pdl launch without it, whatever the default: pdl=False)
+            "lqe-w4a16-fused-t2": ("fused", "PackedWNA16", "no-pdl"),
+            "lqe-w4a16-fused-t8": ("fused", "PackedWNA16", "no-pdl"),
+            "lqe-w4a16-fused-ring": ("ring", "PackedWNA16", "no-pdl"),
             "lqe-w4a16-fused-pdl": ("fused", "PackedWNA16", "pdl"),
             "lqe-w4a16-fused-ring-pdl": ("ring", "PackedWNA16", "pdl")}
     monkeypatch.setattr(k4, "pdl_supported", lambda device: True)  # (sm_90+ only: the rows launch with pdl=True)
     out = {}
     kb.add_w4a16_rows(out, 256, 128, dev="cpu")
-    assert _layouts(out, calls) == {nm: v for nm, v in want.items() if nm not in k4.SMALL_M_ROWS}
+    w4a16_only = {*k4.FUSED_SPLIT_ROWS, k4.FUSED_RING_ROW, *k4.FUSED_PDL_ROWS}  # (kernels.py --w4a16's own rows)
+    assert _layouts(out, calls) == {nm: v for nm, v in want.items() if nm not in w4a16_only}
     out = k4.w4a16_candidates(256, 128, kb.rotating, kb.cycler, dev="cpu")
     assert _layouts(out, calls) == {nm: v for nm, v in want.items() if nm in out}
     assert {"lqe-w4a16", "lqe-w4a16-dequant", "triton-wna16", "triton-wna16-swap", "lqe-w4a16-mma",
@@ -381,23 +390,25 @@ def test_kernels_py_restarts_past_a_hung_kernel(tmp_path, monkeypatch, stub_gpu)
     assert doc["complete"] and doc["device_faults"][0]["kernel"] == "lqe-w4a16-mma"
 
 
-def test_kernels_py_w4a16_saves_the_implied_mma_table_and_completes(tmp_path, monkeypatch, stub_gpu):
+def test_kernels_py_w4a16_saves_the_implied_tables_and_completes(tmp_path, monkeypatch, stub_gpu):
     """``kernels.py --w4a16`` ends with a complete JSON: every row has a kernel, shape and M, and the WNA16_MMA_TABLE
-    the run implies is in ``implied_tables`` (it used to be appended as a shape-less row, which the final save's
-    row keys could not read: KeyError, the file left ``complete: false``)."""
+    and WNA16_TABLE the run implies are in ``implied_tables`` (the first used to be appended as a shape-less row,
+    which the final save's row keys could not read: KeyError, the file left ``complete: false``)."""
     import json
 
     import kernels_w4a16 as k4
 
     kernels = stub_gpu
-    speed = {1: {"lqe-w4a16-mma": 5.0, "lqe-w4a16-mma-dequant+cublas": 9.0},
-             16: {"lqe-w4a16-mma": 6.0, "lqe-w4a16-mma-dequant+cublas": 9.5},
-             256: {"lqe-w4a16-mma": 12.0, "lqe-w4a16-mma-dequant+cublas": 8.0}}
+    speed = {1: {"lqe-w4a16-mma": 5.0, "lqe-w4a16-mma-dequant+cublas": 9.0, "triton-wna16-swap": 6.0},
+             16: {"lqe-w4a16-mma": 6.0, "lqe-w4a16-mma-dequant+cublas": 9.5, "triton-wna16-swap": 7.0},
+             256: {"lqe-w4a16-mma": 12.0, "lqe-w4a16-mma-dequant+cublas": 8.0, "triton-wna16-swap": 11.0,
+                   "triton-dequant+cublas": 9.0}}
 
     def fake_candidates(k, n, rotating, cycler, dev="cuda"):
         def timed(name):
-            return lambda x: lambda: speed[x.shape[0]].get(name, 10.0)
-        return {name: (timed(name), k * n // 2) for name in ("cublas-bf16", "lqe-w4a16", *k4.MMA_ROWS)}
+            return lambda x: lambda: speed[x.shape[0]].get(name, 12.0 if name == "triton-dequant+cublas" else 10.0)
+        return {name: (timed(name), k * n // 2) for name in ("cublas-bf16", "lqe-w4a16", *k4.MMA_ROWS,
+                                                             "triton-wna16-swap", "triton-dequant+cublas")}
 
     monkeypatch.setattr(k4, "w4a16_candidates", fake_candidates)
     out = tmp_path / "kernels-w4a16-stub.json"
@@ -405,9 +416,12 @@ def test_kernels_py_w4a16_saves_the_implied_mma_table_and_completes(tmp_path, mo
     doc = json.loads(out.read_text())
     assert doc["complete"]
     assert all({"kernel", "shape", "m"} <= r.keys() for r in doc["rows"])
-    assert len(doc["rows"]) == 2 * 3 * 4
+    assert len(doc["rows"]) == 2 * 3 * 6
     assert [tuple(t) for t in doc["implied_tables"]["WNA16_MMA_TABLE"]] == [
         (16, "lqe-w4a16-mma"), (None, "lqe-w4a16-mma-dequant+cublas")]
+    # and the wna16 layout's table, from its kernels' rows (one table per weight layout)
+    assert [tuple(t) for t in doc["implied_tables"]["WNA16_TABLE"]] == [
+        (16, "triton-wna16-swap"), (None, "triton-dequant+cublas")]
 
 
 def test_a_rows_run_into_an_empty_out_keeps_the_committed_rows(tmp_path, monkeypatch, stub_gpu):

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Programmatic dependent launch (LQE_PDL=1; issues 24, 25, 26). `bash benchmarks/run_gpu.sh --pdl`, one device call
+# Programmatic dependent launch (on by default on sm_90+, LQE_PDL=0 off; issues 24, 25, 26). `bash benchmarks/run_gpu.sh
+# --pdl`, one device call
 # (sm_90+; on an older GPU the tests skip and the -pdl rows fail, naming why):
 #   1. build the CUDA kernels for this GPU (common.sh),
 #   2. tests: PDL against none, bit for bit: a chain of six CUDA GEMVs eagerly and in a CUDA graph
@@ -8,10 +9,10 @@
 #   3. kernels: the CUDA GEMV (default and ring) with and without PDL at M = 1 / 4 / 16 beside the layer path and
 #      cuBLAS bf16, graph-timed back-to-back calls (kernels.py --w4a16: the rows lqe-w4a16-fused[-ring][-pdl]),
 #      -> $OUTDIR/kernels-pdl-<gpu>.json,
-#   4. e2e: the small shapes (decode is launch-bound there: where PDL shows first), each variant beside its -pdl twin
-#      in the same run (LQE_PDL_VARIANTS, default bf16,bf16-pdl,w4a16,w4a16-pdl,w8a8,w8a8-pdl; LQE_PDL_SHAPES,
-#      default smollm2-135m; LQE_PDL_REQUESTS requests, default 32) -> $OUTDIR/e2e-<gpu>.json (rows merged by
-#      shape and variant),
+#   4. e2e: the small shapes (decode is launch-bound there: where PDL shows first), each variant (with PDL, the
+#      default) beside its -nopdl twin (LQE_PDL=0) in the same run (LQE_PDL_VARIANTS, default
+#      bf16,bf16-nopdl,w4a16,w4a16-nopdl,w8a8,w8a8-nopdl; LQE_PDL_SHAPES, default smollm2-135m; LQE_PDL_REQUESTS
+#      requests, default 32) -> $OUTDIR/e2e-<gpu>.json (rows merged by shape and variant),
 # then $OUTDIR/pdl-stage-<gpu>.json (exit codes, seconds). Time limits (s): LQE_TEST_TIMEOUT (150),
 # LQE_KERNELS_TIMEOUT (150), LQE_E2E_TIMEOUT (300), all cut to the stage budget LQE_BUDGET_S (570).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -32,7 +33,7 @@ if [[ $BUILD_RC -eq 0 ]]; then
     pack_logs
   fi
   if ! skip e2e; then
-    echo "== e2e ${LQE_PDL_SHAPES:=smollm2-135m}: ${LQE_PDL_VARIANTS:=bf16,bf16-pdl,w4a16,w4a16-pdl,w8a8,w8a8-pdl}"
+    echo "== e2e ${LQE_PDL_SHAPES:=smollm2-135m}: ${LQE_PDL_VARIANTS:=bf16,bf16-nopdl,w4a16,w4a16-nopdl,w8a8,w8a8-nopdl}"
     timeout "$(budget "${LQE_E2E_TIMEOUT:-300}")" python benchmarks/e2e_gpu.py --shapes "$LQE_PDL_SHAPES" \
       --variants "$LQE_PDL_VARIANTS" --num-requests "${LQE_PDL_REQUESTS:-32}" --max-num-seqs 64 --no-eager \
       --out-dir "$OUTDIR" > "$LOGDIR/pdl-e2e.log" 2>&1

@@ -6,16 +6,17 @@
 #      default GEMV and programmatic dependent launch against none (kernels and models: the same bits),
 #   3. sweep: the W4A16 M sweep on the four Llama-3-8B shapes (M = 1 .. 1024): lqe-w4a16-mma and its dequantize +
 #      cuBLAS beside the layer path lqe-w4a16, torch int4pack, triton-wna16, triton-wna16-swap, dequant + cuBLAS and cuBLAS bf16,
-#      with bytes floors; it prints the WNA16_MMA_TABLE the measurement implies -> $OUTDIR/kernels-w4a16-<gpu>.json
+#      with bytes floors; it prints the WNA16_MMA_TABLE and WNA16_TABLE (one per weight layout) the measurement
+#      implies -> $OUTDIR/kernels-w4a16-<gpu>.json
 #      (kept apart from kernels-<gpu>.json, which the W8A8 stage and run_gpu.sh write; rows saved shape by shape);
 #      LQE_WNA16_SWEEP=1 adds the triton-wna16 tile-config sweep at M = 16..128 (kernels.py --wna16-sweep, which
 #      prints the paste-able CONFIG_TABLE) -> $OUTDIR/kernels-wna16-sweep-<gpu>.json,
 #   4. e2e: the llama3-8b shape, bf16 and w4a16 (dispatch.WNA16_TABLE: set it from step 3's implied table first)
 #      in the same run, no eager columns, LQE_W4A16_REQUESTS (default 32) requests -> $OUTDIR/e2e-<gpu>.json, rows
 #      saved variant by variant. LQE_W4A16_VARIANTS adds w4a16-mma / w4a16-swap / w4a16-ring (the same checkpoint on
-#      dispatch.WNA16_MMA_TABLE / WNA16_SWAP_TABLE / WNA16_RING_TABLE) and w4a16-pdl / w4a16-ring-pdl (LQE_PDL=1:
-#      programmatic dependent launch; each ~1 min more). A 16 GB checkpoint is built first on a fresh
-#      machine, so this is a call of its own (the last step: its limit is what is left of the budget):
+#      dispatch.WNA16_MMA_TABLE / WNA16_SWAP_TABLE / WNA16_RING_TABLE) and w4a16-nopdl (LQE_PDL=0: without
+#      programmatic dependent launch, the default on sm_90+; each ~1 min more). A 16 GB checkpoint is built first on
+#      a fresh machine, so this is a call of its own (the last step: its limit is what is left of the budget):
 #      LQE_SKIP="tests sweep" bash benchmarks/run_gpu.sh --w4a16
 # then $OUTDIR/w4a16-stage-<gpu>.json (exit codes, seconds). Time limits (s): LQE_TEST_TIMEOUT (240),
 # LQE_KERNELS_TIMEOUT (280), LQE_E2E_TIMEOUT (560), all cut to the stage budget LQE_BUDGET_S (570).

@@ -56,17 +56,22 @@ PDL_ENV = "LQE_PDL"
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """Launch the kernels that support it with programmatic dependent launch (PDL): ``LQE_PDL=1`` on a CUDA device
-    of compute capability 9.0 or later (Hopper). Such a kernel is scheduled while the kernel before it on the stream
-    still runs and waits for that kernel's results in the kernel (``pdl_wait`` in csrc/gemm/gemm_common.cuh,
-    :mod:`lqe.kernels.triton_pdl`), hiding the launch of each kernel of a decode step; the GEMVs also start on their
-    weights before the wait. Same results either way (tests/gpu/test_gemm_wna16.py, test_pdl_models.py). Off by
-    default: NOT MEASURED yet (``bash benchmarks/run_gpu.sh --pdl``); read per call, as ``LQE_WNA16_TABLE`` is, so a
-    benchmark can compare both in one process. Any other value than ``0`` / ``1`` / unset is an error naming them."""
+    """Launch the kernels that support it with programmatic dependent launch (PDL): on by default on a CUDA device of
+    compute capability 9.0 or later (Hopper), ``LQE_PDL=0`` turns it off. Such a kernel is scheduled while the kernel
+    before it on the stream still runs and waits for that kernel's results in the kernel (``pdl_wait`` in
+    csrc/gemm/gemm_common.cuh, :mod:`lqe.kernels.triton_pdl`), hiding the launch of each kernel of a decode step; the
+    GEMVs also start on their weights before the wait. Same results either way (tests/gpu/test_gemm_wna16.py,
+    test_pdl_models.py). Measured on the H200 at af342f8 (benchmarks/results/e2e-nvidia-h200.json, smollm2 shape,
+    each variant beside its LQE_PDL=1 twin): the GPU time of a batch-1 decode step 0.96 -> 0.83 ms (bf16), 1.01 ->
+    0.75 (W4A16), 0.92 -> 0.68 (W8A8); decode at batch 1 / 16 +24 / +9 % (W4A16) and +29 / +24 % (W8A8); the CUDA
+    GEMV alone 1.54 -> 1.69x cuBLAS bf16 at M = 1 (kernels-w4a16-nvidia-h200.json). The bf16 pair's decode tok/s
+    fell (867 -> 703 at batch 1) with its host time per step at 1.07 ms against 0.32, which PDL does not touch: to be
+    measured again (benchmarks/GPU_RUNBOOK.md). Read per call, as ``LQE_WNA16_TABLE`` is, so a benchmark can compare
+    both in one process. Any other value than ``0`` / ``1`` / unset is an error naming them."""
     value = os.environ.get(PDL_ENV, "").strip()
     if value not in ("", "0", "1"):
-        raise ValueError(f"{PDL_ENV}={value!r}: use 1 (programmatic dependent launch on sm_90+) or 0 / unset (off)")
-    return value == "1" and pdl_supported(device)
+        raise ValueError(f"{PDL_ENV}={value!r}: use 0 (no programmatic dependent launch), or 1 / unset (on, on sm_90+)")
+    return value != "0" and pdl_supported(device)
 
 
 def pdl_supported(device: torch.device) -> bool:

@@ -209,7 +209,7 @@ def wna16_gemm(x: torch.Tensor, packed: PackedWNA16, bias: torch.Tensor | None =
         name = "dequant+cublas" if m > LARGE_M_THRESHOLD else "lqe-wna16-fused"
     if pdl and name not in ("lqe-wna16-fused", "lqe-wna16-ring"):
         raise ValueError(f"pdl=True applies to the CUDA GEMV (lqe-wna16-fused / lqe-wna16-ring), not to {name!r} "
-                         f"(M = {m}); the Triton kernels take LQE_PDL=1")
+                         f"(M = {m}); the Triton kernels follow LQE_PDL (on by default on sm_90+)")
     if out is None:
         out = torch.empty(m, packed.n, dtype=x2.dtype, device=x2.device)
     if name in ("triton-wna16", "triton-wna16-swap"):  # swap: triton_wna16.SWAP_CONFIG_TABLE (W^T x^T, Hopper)
@@ -233,7 +233,7 @@ def wna16_gemm(x: torch.Tensor, packed: PackedWNA16, bias: torch.Tensor | None =
         e = _ext()
         spp = plan_slabs_per_split(m, packed.n, packed.k, x2.device, 16, 4, splits)
         cnt = counters(x2.device, math.ceil(packed.n / BLOCK_N) * math.ceil(m / 16))
-        # pdl: LQE_PDL=1 on sm_90+ (device_info.pdl_enabled), or a benchmark's explicit choice
+        # pdl: on sm_90+ unless LQE_PDL=0 (device_info.pdl_enabled), or a benchmark's explicit choice
         if pdl and not pdl_supported(x2.device):
             raise ValueError(f"pdl=True needs a CUDA device of compute capability 9.0 or later, not {x2.device}")
         e.wna16_gemm(x2, packed.qweight, packed.scales, packed.zeros, bias, out, packed.bits, packed.group_size,

@@ -100,10 +100,11 @@ CONFIGS: list[tuple[int, GemvConfig]] = [
 FP8_CONFIGS: list[tuple[int, GemvConfig]] = list(CONFIGS)
 
 WS_ROWS = 256  # split_k * BLOCK_M rows of partial sums the workspace holds per output column
-# Under PDL (LQE_PDL=1) each program pulls the first PDL_PREFETCH_LINES 128-byte lines of each of its BLOCK_N weight
-# rows into L2 before it waits for the kernel before it: 32 rows x 2 lines = 8 KB a program (64 rows: 16 KB), ~4 MB
-# over a 4096 x 4096 layer's 512 programs at M = 1 (a quarter of it; the rest streams after the wait). Not measured:
-# benchmarks/stages/pdl.sh.
+# Under PDL (the default on sm_90+) each program pulls the first PDL_PREFETCH_LINES 128-byte lines of each of its
+# BLOCK_N weight rows into L2 before it waits for the kernel before it: 32 rows x 2 lines = 8 KB a program (64 rows:
+# 16 KB), ~4 MB over a 4096 x 4096 layer's 512 programs at M = 1 (a quarter of it; the rest streams after the wait).
+# Measured only together with the rest of PDL (H200, af342f8: the W8A8 model's batch-1 decode step 0.92 -> 0.68 ms of
+# GPU time, e2e-nvidia-h200.json); not without the prefetch.
 PDL_PREFETCH_LINES = 2
 
 

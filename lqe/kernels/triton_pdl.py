@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) for the Triton kernels of a decode step (sm_90+, ``LQE_PDL=1``; see
+"""Programmatic dependent launch (PDL) for the Triton kernels of a decode step (sm_90+, on unless ``LQE_PDL=0``; see
 :func:`lqe.kernels.device_info.pdl_enabled` and csrc/gemm/gemm_common.cuh for the CUDA kernels' side).
 
 A kernel launched with PDL may be scheduled while the kernel before it on the stream still runs. Such a kernel calls
@@ -17,7 +17,7 @@ layer's weights, written once at load) with :func:`prefetch_l2`, as the W8A8 / F
 
 Every program of the kernel passes :func:`pdl_start` (it is unconditional at the kernel's top level), so the
 ordering is transitive: a kernel that completed without waiting could finish before its own predecessor, and the
-kernel after it would then run beside that predecessor. NOT MEASURED yet: off unless ``LQE_PDL=1``.
+kernel after it would then run beside that predecessor.
 """
 from __future__ import annotations
 
