@@ -150,7 +150,13 @@ def rms_norm_launch(n: int) -> tuple[int, int]:
     """(BLOCK, num_warps) of the RMSNorm kernels for rows of ``n``: the reduction order follows from both, so the
     plain and the int8-quantizing kernel must launch alike to round alike."""
     block = triton.next_power_of_2(n)
-    return block, min(16, max(1, block // 256))
+    return block, row_warps(block)
+
+
+def row_warps(block: int) -> int:
+    """num_warps of a kernel holding ``block`` columns of one row at once: 256 columns a warp (8 per thread), 1 to 16
+    warps."""
+    return min(16, max(1, block // 256))
 
 
 # ------------------------------------------------------------------------------------------------ public ops

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from lqe.kernels.fused_ops import HAS_TRITON, _rows, _triton_ok, rms_norm_launch, rms_norm_torch, silu_and_mul_torch
+from lqe.kernels.fused_ops import (HAS_TRITON, _rows, _triton_ok, rms_norm_launch, rms_norm_torch, row_warps,
+                                   silu_and_mul_torch)
 from lqe.kernels.triton_pdl import pdl_args, pdl_start
 
 if HAS_TRITON:
@@ -35,7 +36,7 @@ if HAS_TRITON:
 
 FP8_MAX = 448.0
 MIN_ABSMAX = 1e-12
-SILU_CHUNK = 4096
+SILU_CHUNK = 16384  # (as lqe.kernels.fused_quant.SILU_CHUNK: a Llama-3-8B down_proj input row in one pass)
 
 
 def quant_fp8_ref(y: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,7 +211,7 @@ def silu_mul_quant_fp8(x: torch.Tensor, group: int = 0, use_triton: bool | None 
     chunk = max(chunk or min(SILU_CHUNK, triton.next_power_of_2(n)), group)
     _silu_mul_quant_fp8_kernel[(m,)](x2, q, out_scale, x2.stride(0), q.stride(0), out_scale.stride(0) if scale is None
                                      else 0, n, out_scale, GROUP=group, CHUNK=chunk, NUM_CHUNKS=triton.cdiv(n, chunk),
-                                     STATIC=scale is not None, num_warps=min(8, max(1, chunk // 256)),
+                                     STATIC=scale is not None, num_warps=row_warps(chunk),
                                      **pdl_args(x.device))
     if scale is not None:
         return q.view(*x.shape[:-1], n), scale
