@@ -313,7 +313,7 @@ def wna16_sweep(shapes: list[str], ms: list[int], on_shape=None) -> list[dict]:
             base = bench((lambda c=cycler(wb): lambda: torch.matmul(x, c()))())
             timed = {}
             paths = [("table", "auto"), ("triton-dequant+cublas", "triton-dequant+cublas")]
-            if lk.available():
+            if lk.available() and m <= 16:  # (the CUDA GEMV: the layer path at small M only)
                 paths += [("lqe-wna16-fused", "fused")]
             for nm, path in paths:
                 timed[nm] = bench((lambda c=cycler(p4), path=path: lambda: lk.wna16_gemm(x, c(), out=o, path=path))())
