@@ -17,7 +17,7 @@ torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 # the W4A16 table a benchmark variant selects (LQE_WNA16_TABLE=mma / swap) must not leak into the tests: those that
 # want one set it themselves (monkeypatch), the others assert the default table's kernels
 os.environ.pop("LQE_WNA16_TABLE", None)
-os.environ.pop("LQE_PDL", None)  # (programmatic dependent launch: the default, on on sm_90+; a test comparing sets it)
+os.environ.pop("LQE_PDL", None)  # (programmatic dependent launch: on by default on sm_90+; a test that compares sets it)
 
 
 def pytest_collection_modifyitems(config, items):

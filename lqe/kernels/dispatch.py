@@ -43,7 +43,7 @@ WNA16_TABLE: list[tuple[int | None, str]] = [
     (2, "lqe-wna16-fused"),  # 1.69 / 1.62x cuBLAS bf16 at M = 1 / 2 with PDL (H200, af342f8)
     (64, "triton-wna16-swap"),  # 1.60 / 1.49 / 1.32 / 1.24 / 1.01x at M = 4 / 8 / 16 / 32 / 64
     (128, "triton-wna16"),  # 0.65x (swap 0.48x)
-    (None, "triton-dequant+cublas"),  # 0.50x at M=256, 0.79x at 1024: the dequantize at ~85 % of copy bandwidth
+    (None, "triton-dequant+cublas"),  # 0.50x at M=256, 0.79x at 1024: the dequantize at ~57 % of copy bandwidth
 ]
 # "triton-wna16-swap" (lqe/kernels/triton_wna16.py, swap_ab; its configs per M in SWAP_CONFIG_TABLE): the same Triton
 # GEMM on the same packed weights computing out^T = W^T x^T, so on Hopper the dequantized weights are wgmma's register
