@@ -96,22 +96,21 @@ SHAPES = {  # HF config fields of the real models; weights are random
                                    max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True)),
 }
 VARIANTS = {"bf16": None, "w4a16": "gptq", "w4a16-mma": "gptq", "w4a16-swap": "gptq", "w4a16-ring": "gptq",
-            "bf16-pdl": None, "w4a16-pdl": "gptq", "w4a16-ring-pdl": "gptq", "w8a8-pdl": "w8a8",
-            "fp8-pdl": "online:fp8", "bf16-nopdl": None, "w4a16-nopdl": "gptq", "w8a8-nopdl": "w8a8",
-            "fp8-nopdl": "online:fp8",
             "w8a8": "w8a8", "w8a8-online": "online:int8", "fp8": "online:fp8"}  # variant -> tools.convert --format
 # ("online:<kind>": the bf16 checkpoint loaded with quantization=<kind>: per-channel weights, dynamic per-token
 # activations, quantized at load time; issue 25)
 # the w4a16 checkpoint on a candidate table (issue 24): dispatch.WNA16_MMA_TABLE / WNA16_SWAP_TABLE
 VARIANT_ENV = {"w4a16-mma": {"LQE_WNA16_TABLE": "mma"}, "w4a16-swap": {"LQE_WNA16_TABLE": "swap"},
-               "w4a16-ring": {"LQE_WNA16_TABLE": "ring"},
-               # with programmatic dependent launch (LQE_PDL=1, sm_90+: the CUDA GEMV and the Triton kernels of a
-               # decode step; lqe.kernels.device_info.pdl_enabled): bf16 (its Triton kernels; cuBLAS keeps the plain
-               # order), w4a16 on the default / ring table, w8a8, fp8. PDL is the default on sm_90+ since af342f8's
-               # H200 rows, so the plain variants run with it there and the -nopdl twins (LQE_PDL=0) without
-               "w4a16-pdl": {"LQE_PDL": "1"}, "w4a16-ring-pdl": {"LQE_WNA16_TABLE": "ring", "LQE_PDL": "1"},
-               "bf16-pdl": {"LQE_PDL": "1"}, "w8a8-pdl": {"LQE_PDL": "1"}, "fp8-pdl": {"LQE_PDL": "1"},
-               **{f"{v}-nopdl": {"LQE_PDL": "0"} for v in ("bf16", "w4a16", "w8a8", "fp8")}}
+               "w4a16-ring": {"LQE_WNA16_TABLE": "ring"}}
+# a variant with programmatic dependent launch (-pdl: LQE_PDL=1, sm_90+: the CUDA GEMV and the Triton kernels of a
+# decode step; lqe.kernels.device_info.pdl_enabled) or without it (-nopdl: LQE_PDL=0): bf16 (its Triton kernels;
+# cuBLAS keeps the plain order), w4a16 on the default / ring table, w8a8, fp8. PDL is the default on sm_90+ since
+# af342f8's H200 rows, so there the plain variants run with it
+for _suffix, _pdl, _bases in (("-pdl", "1", ("bf16", "w4a16", "w4a16-ring", "w8a8", "fp8")),
+                              ("-nopdl", "0", ("bf16", "w4a16", "w8a8", "fp8"))):
+    for _base in _bases:
+        VARIANTS[_base + _suffix] = VARIANTS[_base]
+        VARIANT_ENV[_base + _suffix] = {**VARIANT_ENV.get(_base, {}), "LQE_PDL": _pdl}
 MAX_MODEL_LEN = 2048 + 64
 SHARD_BYTES = 4 << 30
 

@@ -2,7 +2,8 @@
 cuBLAS beside the layer path ``lqe-w4a16`` (today's dispatch.WNA16_TABLE), torch int4pack, triton-wna16, the
 CUDA dequantize + cuBLAS and cuBLAS bf16, on the Llama-3-8B shapes, g128 weights rotated past the L2. Every row
 carries its bytes floor (d2d copy bandwidth); the run prints the geo-mean speed-up over cuBLAS bf16 per M and
-the ``WNA16_MMA_TABLE`` its measurement implies (paste into lqe/kernels/dispatch.py with the JSON's name).
+the ``WNA16_MMA_TABLE`` and ``WNA16_TABLE`` its measurement implies (paste into lqe/kernels/dispatch.py with the
+JSON's name).
 
     python benchmarks/kernels.py --w4a16 [--m 1 16 256] [--shapes 4096x4096] [--out results.json]
 """
@@ -103,25 +104,6 @@ def w4a16_candidates(k: int, n: int, rotating, cycler, dev: str = "cuda") -> dic
     return out
 
 
-def implied_mma_table(by_m: dict[int, dict[str, list[float]]], num_shapes: int) -> list[tuple[int | None, str]]:
-    """Per M, the faster (geo-mean over shapes) of the mma GEMM and its dequantize + cuBLAS; runs merged."""
-    rows: list[tuple[int | None, str]] = []
-    ms = sorted(by_m)
-    for i, m in enumerate(ms):
-        gm = {nm: math.exp(sum(map(math.log, v)) / len(v)) for nm, v in by_m[m].items()
-              if nm in MMA_ROWS and len(v) == num_shapes}
-        if not gm:
-            continue
-        best = max(gm, key=gm.get)
-        if rows and rows[-1][1] == best:
-            rows[-1] = (m, best)
-        else:
-            rows.append((m, best))
-    if rows:
-        rows[-1] = (None, rows[-1][1])
-    return rows
-
-
 def w4a16_sweep(shapes: list[str], ms: list[int], copy_gbps: float, bench, rotating, cycler, floor_us,
                 gpu: str, on_shape=None, rows: list[dict] | None = None, skip=frozenset(), done=frozenset(),
                 on_fault=None) -> list[dict]:
@@ -129,8 +111,8 @@ def w4a16_sweep(shapes: list[str], ms: list[int], copy_gbps: float, bench, rotat
     kernels it leaves out in ``skip`` and the ``(shape, M)`` pairs already measured in ``done``). A kernel that loses
     the CUDA context raises :class:`common.DeviceFault` with the rows to keep (all but the faulted pair's); one that
     does not return hands that fault to ``on_fault`` from a watchdog (:func:`common.hang_guard`). ``on_shape(rows,
-    tables)`` is called after every shape and once at the end with ``{"WNA16_MMA_TABLE": table}`` (the table implied
-    by the shapes measured so far; benchmarks/kernels.py saves it under the JSON's ``implied_tables``)."""
+    tables)`` is called after every shape and once at the end with :func:`implied_w4a16_tables` (the tables implied
+    by the shapes measured so far; benchmarks/kernels.py saves them under the JSON's ``implied_tables``)."""
     from common import bench_row
 
     rows = [] if rows is None else rows
@@ -168,13 +150,13 @@ def w4a16_sweep(shapes: list[str], ms: list[int], copy_gbps: float, bench, rotat
                     by_m.setdefault(m, {}).setdefault(name, []).append(sp)
                 print(f"{name:30s} {m:5d} {us:9.2f} {fl:9.2f} {gbps:7.0f} {sp if sp else '':>9}")
         if on_shape:  # the caller saves what is measured so far, with the tables it implies so far
-            on_shape(rows, implied_w4a16_tables(rows, by_m, i + 1) if by_m else None)
+            on_shape(rows, implied_w4a16_tables(rows) if by_m else None)
     print("# W4A16: geometric-mean speed-up over cuBLAS bf16 across shapes")
     for m, d in sorted(by_m.items()):
         gm = sorted(((math.exp(sum(map(math.log, v)) / len(v)), nm) for nm, v in d.items() if len(v) == len(shapes)),
                     reverse=True)
         print(f"#   M={m:5d}: " + ", ".join(f"{nm} {g:.2f}x" for g, nm in gm))
-    tables = implied_w4a16_tables(rows, by_m, len(shapes))
+    tables = implied_w4a16_tables(rows)
     for label, table in tables.items():
         print(f"# implied dispatch.{label} ({gpu}): {table}")
     if on_shape:  # the tables go into the JSON's implied_tables, beside the other implied tables (not as rows:
@@ -182,14 +164,11 @@ def w4a16_sweep(shapes: list[str], ms: list[int], copy_gbps: float, bench, rotat
     return rows
 
 
-def implied_w4a16_tables(rows: list[dict], by_m: dict[int, dict[str, list[float]]], num_shapes: int) -> dict:
-    """The table per weight layout the rows imply: ``WNA16_MMA_TABLE`` (mma layout) and, where the wna16-layout
-    kernels were timed, ``WNA16_TABLE`` (kernels_w8a8.implied_tables: the CUDA GEMV with or without PDL, the Triton
-    GEMMs, dequantize + cuBLAS)."""
+def implied_w4a16_tables(rows: list[dict]) -> dict:
+    """The table per weight layout the rows imply (kernels_w8a8.implied_tables): ``WNA16_MMA_TABLE`` (the mma GEMM
+    or its dequantize + cuBLAS) and ``WNA16_TABLE`` (the CUDA GEMV with or without PDL, the Triton GEMMs, dequantize +
+    cuBLAS), each where its kernels were timed."""
     from kernels_w8a8 import implied_tables
 
-    out = {"WNA16_MMA_TABLE": implied_mma_table(by_m, num_shapes)}
-    wna16 = implied_tables(rows).get("WNA16_TABLE")
-    if wna16:
-        out["WNA16_TABLE"] = wna16
-    return out
+    tables = implied_tables(rows)
+    return {label: tables[label] for label in ("WNA16_MMA_TABLE", "WNA16_TABLE") if label in tables}

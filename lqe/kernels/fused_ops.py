@@ -153,6 +153,14 @@ def rms_norm_launch(n: int) -> tuple[int, int]:
     return block, row_warps(block)
 
 
+# The most columns of one row the quantizing row kernels (SiLU-mul producers, the standalone quantizers) hold at once
+# (16 warps: 32 per thread of a row); a longer row takes a pass for its range, then a quantizing pass. A row in one
+# chunk has all its loads in flight at once: the H200 at af342f8 timed 4096-column chunks of a 14336-column row
+# (Llama-3-8B's down_proj input, M = 1 and 16) at ~10 us, four chunks a pass, each chunk's loads one DRAM round trip
+# after the last (lqe-w8a8-layer 26.8 us beside its GEMV's 16.9 us).
+ROW_CHUNK = 16384
+
+
 def row_warps(block: int) -> int:
     """num_warps of a kernel holding ``block`` columns of one row at once: 256 columns a warp (8 per thread), 1 to 16
     warps."""

@@ -42,8 +42,8 @@ from __future__ import annotations
 
 import torch
 
-from lqe.kernels.fused_ops import (HAS_TRITON, _rows, _triton_ok, rms_norm_launch, rms_norm_torch, row_warps,
-                                   silu_and_mul_torch)
+from lqe.kernels.fused_ops import (HAS_TRITON, ROW_CHUNK, _rows, _triton_ok, rms_norm_launch, rms_norm_torch,
+                                   row_warps, silu_and_mul_torch)
 from lqe.kernels.triton_pdl import pdl_args, pdl_start
 
 if HAS_TRITON:
@@ -52,11 +52,7 @@ if HAS_TRITON:
 
     from lqe.kernels.fused_ops import _rms_norm_row, _silu_and_mul_row
 
-# Columns of a SiLU-mul row held at once (16 warps: 32 per thread of each half); longer rows take a max pass, then a
-# quantize pass. A row in one chunk has all its loads in flight at once: the H200 at af342f8 timed the 4096-column
-# chunks of a 14336-column row (Llama-3-8B's down_proj input, M = 1 and 16) at ~10 us, four chunks a pass, each
-# chunk's loads one DRAM round trip after the last (lqe-w8a8-layer 26.8 us beside its GEMV's 16.9 us).
-SILU_CHUNK = 16384
+SILU_CHUNK = ROW_CHUNK  # columns of a SiLU-mul row held at once; longer rows take a max pass, then a quantize pass
 
 
 def unavailable_reason(device: torch.device | str) -> str | None:

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from lqe.kernels.fused_ops import (HAS_TRITON, _rows, _triton_ok, rms_norm_launch, rms_norm_torch, row_warps,
-                                   silu_and_mul_torch)
+from lqe.kernels.fused_ops import (HAS_TRITON, ROW_CHUNK, _rows, _triton_ok, rms_norm_launch, rms_norm_torch,
+                                   row_warps, silu_and_mul_torch)
 from lqe.kernels.triton_pdl import pdl_args, pdl_start
 
 if HAS_TRITON:
@@ -36,7 +36,7 @@ if HAS_TRITON:
 
 FP8_MAX = 448.0
 MIN_ABSMAX = 1e-12
-SILU_CHUNK = 16384  # (as lqe.kernels.fused_quant.SILU_CHUNK: a Llama-3-8B down_proj input row in one pass)
+SILU_CHUNK = ROW_CHUNK  # (as lqe.kernels.fused_quant.SILU_CHUNK)
 
 
 def quant_fp8_ref(y: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

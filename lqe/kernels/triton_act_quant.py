@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from lqe.kernels.fused_ops import HAS_TRITON, _triton_ok, row_warps
+from lqe.kernels.fused_ops import HAS_TRITON, ROW_CHUNK, _triton_ok, row_warps
 from lqe.kernels.triton_pdl import pdl_args, pdl_start
 
 if HAS_TRITON:
@@ -40,7 +40,7 @@ if HAS_TRITON:
     from lqe.kernels.fused_quant import _params, _quantize, _stats, _store_params
     from lqe.kernels.fused_quant_fp8 import _fp8_codes, _fp8_store
 
-CHUNK = 16384  # columns of a row held at once (as fused_quant.SILU_CHUNK: a 14,336-column row in one read)
+CHUNK = ROW_CHUNK  # columns of a row held at once
 SYM, ASYM, STATIC = 0, 1, 2  # int8 MODE, as lqe.kernels.fused_quant
 
 
