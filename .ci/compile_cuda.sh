@@ -29,6 +29,17 @@ reap() {  # wait for the oldest job
   if ! wait "${pids[0]}"; then echo "FAIL ${names[0]}"; cat "${logs[0]}"; fail=1; fi
   pids=("${pids[@]:1}"); logs=("${logs[@]:1}"); names=("${names[@]:1}")
 }
+# The host bindings (csrc/gemm/bindings.cpp, compiled only by lqe.kernels.build on a GPU machine): a syntax and type
+# check against the headers' launchers, beside the .cu jobs. A CPU-only torch lacks one generated CUDA header; an
+# empty stand-in is found after the real include paths (-idirafter), so a CUDA torch's own wins.
+CXX="${CXX:-$(command -v g++ || true)}"
+if [[ -n "$CXX" ]]; then
+  mkdir -p "$OUT/stub/c10/cuda/impl" && echo "#pragma once" > "$OUT/stub/c10/cuda/impl/cuda_cmake_macros.h"
+  CUDA_INC=$("$NVCC" --dryrun -x cu -c /dev/null 2>&1 | sed -n 's/.*INCLUDES="-I\([^"]*\)".*/\1/p' | head -1)
+  ( "$CXX" -fsyntax-only -std=c++17 "${INC[@]}" ${CUDA_INC:+-I"$CUDA_INC"} -idirafter "$OUT/stub" -Icsrc/gemm \
+      -DTORCH_API_INCLUDE_EXTENSION_H -DTORCH_EXTENSION_NAME=lqe_ci csrc/gemm/bindings.cpp >"$OUT/bindings.log" 2>&1 ) &
+  pids+=($!); logs+=("$OUT/bindings.log"); names+=("csrc/gemm/bindings.cpp (g++ -fsyntax-only)")
+fi
 for i in "${!SRCS[@]}"; do
   src="${SRCS[$i]}"
   ( "$NVCC" "${FLAGS[@]}" "${INC[@]}" -Icsrc/gemm "$src" -o "$OUT/$i.o" >"$OUT/$i.log" 2>&1 ) &
@@ -37,7 +48,7 @@ for i in "${!SRCS[@]}"; do
 done
 while (( ${#pids[@]} > 0 )); do reap; done
 if (( fail )); then echo "compile_cuda: FAILED"; exit 1; fi
-echo "compile_cuda: OK (${SRCS[*]})"
+echo "compile_cuda: OK (${SRCS[*]}${CXX:+ csrc/gemm/bindings.cpp})"
 
 # The SASS of every object: no instruction may read a uniform register that nothing in its kernel writes
 # (.ci/sass_check.py: a ptxas 13.0 miscompile of cp.async with an L2 cache hint that killed lqe-w4a16-mma on the

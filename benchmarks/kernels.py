@@ -35,7 +35,7 @@ ROW_GROUPS = {
     "w4a16": ("lqe-w4a16", "lqe-w4a16-fused", "lqe-w4a16-dequant", "triton-wna16", "triton-wna16-swap",
               "triton-dequant+cublas", "triton-dequant-l2+cublas",
               "triton-dequant-only", "torch-int4pack", "lqe-w4a16-mma", "lqe-w4a16-mma-dequant+cublas",
-              "lqe-w4a16-mma-2cta"),
+              "lqe-w4a16-mma-2cta", "lqe-w4a16-mma-k2"),
     "w8a8": ("lqe-w8a8", "torch-int-mm", "triton-w8a8", "int-mm+epilogue", "w8a8-table+quant", "triton-gemv",
              "lqe-w8a8-layer"),
     "fp8": ("triton-gemv-fp8", "triton-fp8", "lqe-fp8-layer", "lqe-fp8-block-layer", "lqe-fp8/torch-scaled-mm"),

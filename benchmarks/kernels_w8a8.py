@@ -34,7 +34,7 @@ FP8_KERNEL_ROWS = ("triton-gemv-fp8", "triton-fp8", "lqe-fp8/torch-scaled-mm")
 WNA16_KERNEL_ROWS = ("lqe-w4a16-fused", "lqe-w4a16-fused-ring", "lqe-w4a16-fused-pdl", "lqe-w4a16-fused-ring-pdl",
                      "triton-wna16", "triton-wna16-swap", "triton-dequant+cublas", "triton-dequant-l2+cublas",
                      "lqe-w4a16-dequant")
-WNA16_MMA_KERNEL_ROWS = ("lqe-w4a16-mma", "lqe-w4a16-mma-dequant+cublas")
+WNA16_MMA_KERNEL_ROWS = ("lqe-w4a16-mma", "lqe-w4a16-mma-k2", "lqe-w4a16-mma-dequant+cublas")
 TABLE_NAMES = {"triton-gemv-fp8": "triton-gemv", "lqe-fp8/torch-scaled-mm": "scaled-mm",
                "lqe-w4a16-fused": "lqe-wna16-fused", "lqe-w4a16-fused-ring": "lqe-wna16-ring",
                # (-pdl: the same kernel launched with PDL, a model's default on sm_90+: device_info.pdl_enabled)

@@ -34,7 +34,8 @@ def test_implied_tables_take_the_geo_mean_winner_per_m_and_merge_runs():
 def test_implied_w4a16_tables_are_one_per_weight_layout():
     rows = []
     for shape in ("a", "b"):
-        for m, speeds in ((1, {"lqe-w4a16-fused": 2.0, "triton-wna16-swap": 1.8, "lqe-w4a16-mma": 2.6}),
+        for m, speeds in ((1, {"lqe-w4a16-fused": 2.0, "triton-wna16-swap": 1.8, "lqe-w4a16-mma": 2.6,
+                               "lqe-w4a16-mma-k2": 2.7}),
                           (16, {"lqe-w4a16-fused": 0.8, "triton-wna16-swap": 1.7, "triton-wna16": 1.1,
                                 "lqe-w4a16-mma": 2.2, "lqe-w4a16-mma-dequant+cublas": 0.3}),
                           (1024, {"triton-wna16-swap": 0.6, "lqe-w4a16-dequant": 0.8, "triton-dequant+cublas": 0.75,
@@ -43,7 +44,9 @@ def test_implied_w4a16_tables_are_one_per_weight_layout():
     t = kw8.implied_tables(rows)
     # the wna16 layout's rows under their dispatch names; the mma rows in a table of their own
     assert t["WNA16_TABLE"] == [(1, "lqe-wna16-fused"), (16, "triton-wna16-swap"), (None, "dequant+cublas")]
-    assert t["WNA16_MMA_TABLE"] == [(16, "lqe-w4a16-mma"), (None, "lqe-w4a16-mma-dequant+cublas")]
+    # (the 8-warp k-split GEMM is a table name of its own: timed at M <= 16 only, it wins M = 1 here)
+    assert t["WNA16_MMA_TABLE"] == [(1, "lqe-w4a16-mma-k2"), (16, "lqe-w4a16-mma"),
+                                    (None, "lqe-w4a16-mma-dequant+cublas")]
     from lqe.kernels import dispatch, gemm
 
     for label in ("WNA16_TABLE", "WNA16_MMA_TABLE"):  # every name is one the dispatch code runs
@@ -235,6 +238,7 @@ def test_w4a16_rows_time_their_own_layout_whatever_the_table(w4a16_on_cpu, monke
             "lqe-w4a16-mma": ("lqe-w4a16-mma", "PackedMMA"),
             "lqe-w4a16-mma-dequant+cublas": ("lqe-w4a16-mma-dequant+cublas", "PackedMMA"),
             "lqe-w4a16-mma-2cta": ("lqe-w4a16-mma", "PackedMMA"),
+            "lqe-w4a16-mma-k2": ("lqe-w4a16-mma-k2", "PackedMMA"),
             # (the GEMV rows without -pdl launch without it, whatever the default: pdl=False)
             "lqe-w4a16-fused-t2": ("fused", "PackedWNA16", "no-pdl"),
             "lqe-w4a16-fused-t8": ("fused", "PackedWNA16", "no-pdl"),
@@ -416,7 +420,7 @@ def test_kernels_py_w4a16_saves_the_implied_tables_and_completes(tmp_path, monke
     doc = json.loads(out.read_text())
     assert doc["complete"]
     assert all({"kernel", "shape", "m"} <= r.keys() for r in doc["rows"])
-    assert len(doc["rows"]) == 2 * 3 * 6
+    assert len(doc["rows"]) == 2 * 3 * (4 + len(k4.MMA_ROWS))  # cuBLAS, the layer path, swap, dequant + the mma rows
     assert [tuple(t) for t in doc["implied_tables"]["WNA16_MMA_TABLE"]] == [
         (16, "lqe-w4a16-mma"), (None, "lqe-w4a16-mma-dequant+cublas")]
     # and the wna16 layout's table, from its kernels' rows (one table per weight layout)

@@ -210,6 +210,11 @@ def test_tables_resolve_to_one_layout(monkeypatch):
     assert on_mma == ((2, "lqe-w4a16-mma"), (64, "lqe-w4a16-mma"), (128, "lqe-w4a16-mma"),
                       (None, "lqe-w4a16-mma-dequant+cublas"))
     assert [n for _, n in gemm._table_for("cuda:0", True, True, False, mma)] == ["triton-wna16", "triton-dequant+cublas"]
+    # the 8-warp k-split row: an mma-layout name of its own, kept on that layout, triton-wna16 on the other
+    k2 = ((16, "lqe-w4a16-mma-k2"), *mma)
+    assert gemm.table_uses_mma(list(k2[:1]))
+    assert gemm._table_for("cuda:0", True, True, True, k2)[0] == (16, "lqe-w4a16-mma-k2")
+    assert gemm._table_for("cuda:0", True, True, False, k2)[0] == (16, "triton-wna16")
     assert [n for _, n in gemm._table_for("cuda:0", True, False, False, mma)] == ["lqe-wna16-fused", "dequant+cublas"]
     monkeypatch.setenv("LQE_WNA16_TABLE", "mma")
     assert gemm.active_table() is dispatch.WNA16_MMA_TABLE

@@ -82,7 +82,7 @@ at::Tensor wna16_dequant(const at::Tensor& qweight, const at::Tensor& scales, co
 at::Tensor w4a16_mma_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                           const c10::optional<at::Tensor>& zeros, const c10::optional<at::Tensor>& bias,
                           at::Tensor out, const at::Tensor& ws, const at::Tensor& locks, int64_t bits,
-                          int64_t group_size, int64_t k_pad, int64_t n_pad, int64_t sms) {
+                          int64_t group_size, int64_t k_pad, int64_t n_pad, int64_t sms, int64_t warps_k) {
   const c10::cuda::CUDAGuard guard(x.device());
   const auto dt = act_dtype(x);
   check(x, "x", x); check(qweight, "qweight", x); check(scales, "scales", x); check(out, "out", x);
@@ -117,7 +117,7 @@ at::Tensor w4a16_mma_gemm(const at::Tensor& x, const at::Tensor& qweight, const 
                                  opt_ptr(zeros, "zeros", x), opt_ptr(bias, "bias", x), out.data_ptr(),
                                  ws.data_ptr<float>(), (size_t)ws.numel(), locks.data_ptr<int>(), (int)M, (int)N,
                                  (int)K, (int)k_pad,
-                                 (int)n_pad, (int)group_size, (int)scales.size(0), (int)sms,
+                                 (int)n_pad, (int)group_size, (int)scales.size(0), (int)sms, (int)warps_k,
                                  c10::cuda::getCurrentCUDAStream()));
   return out;
 }

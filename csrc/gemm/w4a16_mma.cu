@@ -31,6 +31,20 @@ namespace {
 
 constexpr int kThreads = 128;  // 4 warps, warp w owns columns [64w, 64w + 64) of the block tile
 
+// KW (warps_k): 1, or 2 for a G64 weight: 8 warps, warp w on columns [64 (w & 3), + 64) and slabs 2 (w >> 2), + 1
+// of every k-tile (16 rows each); at a piece's end the upper four warps hand their sums to the lower four through
+// shared memory, which finish the piece. Why: the H200 rows of af342f8 ran the one-warp-per-SM-sub-partition kernel
+// at 22-46 % of the byte floor at M = 1, latency-bound (one warp's static schedule per k-tile, 641 cycles, is over
+// the ~500 a k-tile may take at the copy rate, before any stall): two blocks per SM ("-2cta", sms = 2 x SMs) ran the
+// 4096 x 28672 shape 17 % faster (25.9 against 31.3 us) but the small shapes slower (twice the pieces to reduce
+// through L2). Two warps per sub-partition with the same stripes, ring depth and pieces is the in-block form of that:
+// predicted 4096 x 28672 at ~26 us at M = 1 (and below its 57.6 us at M = 64, where one warp's k-tile schedule is
+// 1128 cycles) with no loss on 4096 x 4096 (9.1 us at M = 1). The hand-over buffer is MB x 16 KB, so where the
+// device's opt-in shared memory does not hold it (k2_fits) the 4-warp kernel runs. NEEDS MEASUREMENT (table name
+// lqe-w4a16-mma-k2, benchmarks/kernels_w4a16.py).
+template <int KW>
+constexpr int threads_of() { return kThreads * KW; }
+
 // G64: every k-tile (64 rows of K) lies in one scale group: the group size is a power of two >= 64, or the weight
 // has one group (channel-wise). One group row per stage, fetched and prepared once per k-tile, with no per-slab
 // group test: a SASS review (sm_90a, ptxas 13.0, bf16 4-bit) counted the 3 mid-k-tile branches each draining the
@@ -42,7 +56,7 @@ constexpr int kThreads = 128;  // 4 warps, warp w owns columns [64w, 64w + 64) o
 // 8 KB of weights in flight per block (3 at 4 stages covered ~1.2k cycles of loaded DRAM latency at the byte
 // floor's rate); 88 KB of shared memory, within every sm_80+ GPU's opt-in (99 KB on sm_86 / sm_89). 4 elsewhere
 // (MB = 4 is bound by the tensor cores). NEEDS MEASUREMENT.
-template <int BITS, int MB, bool G64>
+template <int BITS, int MB, bool G64, int KW = 1>
 struct Smem {
   static constexpr int kStages = BITS == 4 && MB == 1 && G64 ? 8 : 4;
   static_assert((kStages & (kStages - 1)) == 0, "the ring slot of stage i is i & (kStages - 1)");
@@ -50,7 +64,10 @@ struct Smem {
   static constexpr int kA = MB * 16 * kMmaTileK * 2;           // activation bytes per stage
   static constexpr int kS = (G64 ? 1 : 4) * kMmaTileN * 2;     // slab slots (G64: slot 0 only) x 256 scales (16-bit)
   static constexpr int kStage = kB + kA + 2 * kS;              // + as many zero points
-  static constexpr int kTotal = kStages * kStage;
+  static constexpr int kRing = kStages * kStage;
+  // KW = 2: the upper warps' fp32 sums (MB x 8 x 4 per thread), [value][thread] so a warp's stores hit 32 banks
+  static constexpr int kRed = KW > 1 ? MB * 8 * 4 * kThreads * 4 : 0;
+  static constexpr int kTotal = kRing + kRed;
 };
 
 struct MmaArgs {
@@ -107,14 +124,20 @@ __device__ __forceinline__ void red_release_add(int* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-template <typename T, int BITS, int MB, bool G64>
-__global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a) {
+template <typename T, int BITS, int MB, bool G64, int KW>
+__global__ void __launch_bounds__(threads_of<KW>(), 1) w4a16_mma_kernel(const MmaArgs a) {
+  static_assert(KW == 1 || (KW == 2 && G64), "warps_k = 2: a G64 weight only (one scale row per k-tile, slot 0)");
   using D = Dq<T, BITS>;
-  using SM = Smem<BITS, MB, G64>;
+  using SM = Smem<BITS, MB, G64, KW>;
   constexpr int kStages = SM::kStages;
+  constexpr int kT = threads_of<KW>();
   constexpr int V = BITS / 4;  // 16-byte vectors per lane per 16 x 64 tile
+  constexpr int kSl = 4 / KW;  // slabs of a k-tile per warp
   extern __shared__ __align__(16) uint8_t smem[];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g8 = lane >> 2, t4 = lane & 3;
+  const int tid = threadIdx.x, lane = tid & 31, g8 = lane >> 2, t4 = lane & 3;
+  // column quarter and slab half (KW = 2); KW = 1 keeps them compile-time (warp = tid >> 5, no half)
+  const int warp = KW == 1 ? tid >> 5 : (tid >> 5) & 3, kh = KW == 1 ? 0 : tid >> 7;
+  const bool owner = KW == 1 || kh == 0;  // finishes the piece (KW = 2: after the upper warps' hand-over)
   const int total = a.n_tiles * a.k_tiles;
   // Block b runs stripe grid - 1 - b: a stripe waits only on stripes above it (see finish_piece), which then run in
   // blocks with a LOWER index, dispatched before this one, so no block ever spins on one that is not resident yet
@@ -192,13 +215,13 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
     }
     const uint32_t dst = smem0 + slot * SM::kStage;
 #pragma unroll
-    for (int i = 0; i < SM::kB / 16 / kThreads; ++i)  // chunk c = i * kThreads + tid (w_wr: slot's chunk tid)
-      cp16_l2_hint(w_wr + i * kThreads * 16, reinterpret_cast<const void*>(src + i * kThreads * 16), pol);
+    for (int i = 0; i < SM::kB / 16 / kT; ++i)  // chunk c = i * kT + tid (w_wr: slot's chunk tid)
+      cp16_l2_hint(w_wr + i * kT * 16, reinterpret_cast<const void*>(src + i * kT * 16), pol);
     w_wr = w_wr == w_last ? w_first : w_wr + SM::kStage;  // stages are loaded in slot order 0, 1, .., kStages - 1, 0
     const uint32_t adst = dst + a_off0;
     const bool kok = kt * kMmaTileK + a_ch * 8 < a.K;
 #pragma unroll
-    for (int i = 0; i < MB; ++i) {  // MB*16 rows x 8 chunks of 16 bytes: rows a_r0 + 16 i, 2048 bytes apart
+    for (int i = 0; i < (owner ? MB : 0); ++i) {  // (KW = 2: the lower 128 threads copy the activation rows)  // MB*16 rows x 8 chunks of 16 bytes: rows a_r0 + 16 i, 2048 bytes apart
       const bool ok = kok && ((a_rows_ok >> i) & 1);
       cp16_zfill(adst + i * 2048, ok ? reinterpret_cast<const void*>(a_cur + i * a_rowstep) : (const void*)A, ok);
     }
@@ -250,7 +273,7 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int row = frag_row(i, h), col = frag_col(nt, j);
-            if (row < a.M)
+            if (owner && row < a.M)
               __stcg(reinterpret_cast<float2*>(slot + (size_t)row * a.n_pad + col),
                      make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]));
           }
@@ -262,7 +285,7 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
       if (tid == 0)
         while (ld_acquire(count) != others) __nanosleep(32);  // (spares L2 the polling of a long wait)
       __syncthreads();
-      for (int o = 0; o < others; ++o) {
+      for (int o = 0; o < (owner ? others : 0); ++o) {
         const float* slot = a.ws + (size_t)o * kMmaMaxRows * a.n_pad;
 #pragma unroll
         for (int i = 0; i < MB; ++i) {
@@ -294,7 +317,7 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = frag_row(i, h), col = frag_col(nt, j);
-          if (row >= a.M || col >= a.N) continue;
+          if (!owner || row >= a.M || col >= a.N) continue;
           float v0 = acc[i][j][2 * h], v1 = acc[i][j][2 * h + 1];
           if (bias) {
             v0 += to_f(bias[col]);
@@ -317,7 +340,8 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
   // shared memory right after the barrier, before the next stage's cp.async issue, so no dequantize waits on a
   // shared-memory load. MB = 4 (kPre = 0): each slab is read at its turn, one buffer (more would push the
   // accumulators out of registers).
-  constexpr int kPre = MB <= 2 ? 4 : 0, kBuf = kPre > 0 ? kPre : 1;
+  constexpr int kPre = MB <= 2 ? kSl : 0, kBuf = kPre > 0 ? kPre : 1;
+  const int s0 = kh * kSl;  // this warp's first slab of every k-tile
   struct Frag {
     uint32_t w[4 * V];
     uint32_t af[MB][4];
@@ -379,16 +403,18 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
           for (int mi = 0; mi < MB; ++mi) MmaF16<T>::run(acc[mi][j], f.af[mi], b0, b1);
         }
       };
-      Frag f[kBuf];  // slab s in f[s % kBuf]
+      Frag f[kBuf];  // this warp's slab s0 + u in f[u % kBuf]
 #pragma unroll
-      for (int s = 0; s < kPre; ++s) fetch(f[s], s);  // slot i is read, slot (i + kStages - 1) % kStages written below
+      for (int u = 0; u < kPre; ++u) fetch(f[u], s0 + u);  // slot i is read, slot (i + kStages - 1) % kStages below
       int g[4];
       if (G64) {  // one group for the four slabs: fresh[1..3] are false at compile time
         g[0] = g[1] = g[2] = g[3] = min((kt * kMmaTileK) >> a.gs_shift, a.groups - 1);
       } else {
         slab_groups(kt * kMmaTileK, g);
       }
-      bool fresh[4];  // slab s opens a new group (or a new piece: cur_g = -1): 8 scales (+ zero points) from slot s
+      // slab s opens a new group (or a new piece: cur_g = -1): 8 scales (+ zero points) from slot s (G64: slot 0,
+      // the k-tile's one group row, whichever slabs this warp takes; KW = 2 is G64 only)
+      bool fresh[4];
       fresh[0] = g[0] != cur_g;
 #pragma unroll
       for (int s = 1; s < 4; ++s) fresh[s] = g[s] != g[s - 1];
@@ -397,13 +423,36 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
       if (i + kStages - 1 < n_it) load_stage((i + kStages - 1) & (kStages - 1));
       cp_commit();
 #pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        if (s >= kPre) fetch(f[s % kBuf], s);
-        if (fresh[s]) {
-          if (s > 0 || kPre == 0) fetch_scales(s);
+      for (int u = 0; u < kSl; ++u) {
+        const int s = s0 + u;  // (KW = 1: s = u, known at compile time)
+        if (u >= kPre) fetch(f[u % kBuf], s);
+        if (fresh[u]) {
+          if (u > 0 || kPre == 0) fetch_scales(G64 ? 0 : s);  // (G64: the one row, in slot 0)
           prep();
         }
-        compute(f[s % kBuf]);
+        compute(f[u % kBuf]);
+      }
+    }
+    if (KW > 1) {  // the upper warps' sums into the lower warps' (same thread columns and rows: tid & 127)
+      float* red = reinterpret_cast<float*>(smem + SM::kRing) + (tid & (kThreads - 1));
+      if (!owner) {
+#pragma unroll
+        for (int i = 0; i < MB; ++i)
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) red[((i * 8 + j) * 4 + c) * kThreads] = acc[i][j][c];
+      }
+      // (the lower warps read the buffer before the next k-tile's barrier, which the upper warps pass before they
+      // write it again: every piece has a k-tile)
+      __syncthreads();
+      if (owner) {
+#pragma unroll
+        for (int i = 0; i < MB; ++i)
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[i][j][c] += red[((i * 8 + j) * 4 + c) * kThreads];
       }
     }
     finish_piece(nt, it0 > nt * a.k_tiles ? k_lo0 : 0);
@@ -420,35 +469,56 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_mma_kernel(const MmaArgs a)
 
 // The dynamic shared-memory opt-in is a per-device function attribute: set once per device and instantiation, not
 // on every launch (a decode step makes ~200 of them).
-template <typename T, int BITS, int MB, bool G64>
+template <typename T, int BITS, int MB, bool G64, int KW = 1>
 cudaError_t run(const MmaArgs& a, int grid, cudaStream_t st) {
-  constexpr int smem = Smem<BITS, MB, G64>::kTotal;
+  constexpr int smem = Smem<BITS, MB, G64, KW>::kTotal;
   constexpr int kMaxDevices = 64;
   static std::atomic<bool> opted_in[kMaxDevices];
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   if (dev >= kMaxDevices || !opted_in[dev].load(std::memory_order_acquire)) {
-    e = cudaFuncSetAttribute(w4a16_mma_kernel<T, BITS, MB, G64>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    e = cudaFuncSetAttribute(w4a16_mma_kernel<T, BITS, MB, G64, KW>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              smem);
     if (e != cudaSuccess) return e;
     if (dev < kMaxDevices) opted_in[dev].store(true, std::memory_order_release);
   }
-  w4a16_mma_kernel<T, BITS, MB, G64><<<grid, kThreads, smem, st>>>(a);
+  w4a16_mma_kernel<T, BITS, MB, G64, KW><<<grid, threads_of<KW>(), smem, st>>>(a);
   return cudaGetLastError();
+}
+
+// Whether the device's opt-in shared memory per block holds the 8-warp kernel's ring and hand-over buffer (4-bit
+// M <= 16: 104 KB, more than sm_86 / sm_89 give; 8-bit 64 rows: 164 KB, more than an A100's 163); where it does not,
+// the 4-warp kernel runs.
+template <int BITS, int MB>
+bool k2_fits() {
+  int dev = 0, optin = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
+    return false;
+  return Smem<BITS, MB, true, 2>::kTotal <= optin;
+}
+
+// MB m16 tiles; k2: the 8-warp k-split kernel where it applies (G64, and its shared memory fits)
+template <typename T, int BITS, int MB, bool G64>
+cudaError_t run_kw(const MmaArgs& a, int grid, bool k2, cudaStream_t st) {
+  if constexpr (G64) {
+    if (k2 && k2_fits<BITS, MB>()) return run<T, BITS, MB, true, 2>(a, grid, st);
+  }
+  return run<T, BITS, MB, G64>(a, grid, st);
 }
 
 // m16 tiles per launch: the fewest that cover a.M, capped at mb_max (what the device's shared memory holds).
 template <typename T, int BITS, bool G64>
-cudaError_t run_rows(const MmaArgs& a, int grid, int mb_max, cudaStream_t st) {
-  if (a.M <= 16 || mb_max == 1) return run<T, BITS, 1, G64>(a, grid, st);
-  if (a.M <= 32 || mb_max == 2) return run<T, BITS, 2, G64>(a, grid, st);
-  return run<T, BITS, 4, G64>(a, grid, st);
+cudaError_t run_rows(const MmaArgs& a, int grid, int mb_max, bool k2, cudaStream_t st) {
+  if (a.M <= 16 || mb_max == 1) return run_kw<T, BITS, 1, G64>(a, grid, k2, st);
+  if (a.M <= 32 || mb_max == 2) return run_kw<T, BITS, 2, G64>(a, grid, k2, st);
+  return run_kw<T, BITS, 4, G64>(a, grid, k2, st);
 }
 
 template <typename T, int BITS>
-cudaError_t run_rows(const MmaArgs& a, int grid, int mb_max, bool g64, cudaStream_t st) {
-  return g64 ? run_rows<T, BITS, true>(a, grid, mb_max, st) : run_rows<T, BITS, false>(a, grid, mb_max, st);
+cudaError_t run_rows(const MmaArgs& a, int grid, int mb_max, bool g64, bool k2, cudaStream_t st) {
+  return g64 ? run_rows<T, BITS, true>(a, grid, mb_max, k2, st) : run_rows<T, BITS, false>(a, grid, mb_max, k2, st);
 }
 
 // The largest m16-tile count (4, 2 or 1) whose kStages-deep ring fits the device's opt-in shared memory per block:
@@ -556,8 +626,9 @@ int mma_workspace_slots(int n_tiles, int k_tiles, int sms) {
 const char* launch_w4a16_mma(DType dt, int bits, const void* x, const void* qweight, const void* scales,
                              const void* zeros, const void* bias, void* out, float* ws, size_t ws_elems, int* locks,
                              int M, int N, int K, int k_pad, int n_pad, int group_size, int groups, int sms,
-                             cudaStream_t stream) {
+                             int warps_k, cudaStream_t stream) {
   if (bits != 4 && bits != 8) return "bits must be 4 or 8";
+  if (warps_k != 1 && warps_k != 2) return "warps_k must be 1 or 2";
   if (K <= 0 || N <= 0 || K % 8 != 0 || N % 8 != 0) return "K and N must be positive multiples of 8";
   if (k_pad % kMmaTileK != 0 || k_pad < K || k_pad - K >= kMmaTileK) return "k_pad must be K rounded up to 64";
   if (n_pad % kMmaTileN != 0 || n_pad < N || n_pad - N >= kMmaTileN) return "n_pad must be N rounded up to 256";
@@ -579,6 +650,7 @@ const char* launch_w4a16_mma(DType dt, int bits, const void* x, const void* qwei
   if (groups == 1) gs_shift = 30;
   const size_t esz = 2;  // fp16 / bf16
   const int mb_max = bits == 4 ? max_row_tiles<4>() : max_row_tiles<8>(), rows = 16 * mb_max;
+  const bool k2 = warps_k == 2 && g64;
   if (reinterpret_cast<uintptr_t>(x) % 16 != 0) return "x must be 16-byte aligned (cp.async copies 16 bytes)";
   for (int m0 = 0; m0 < M; m0 += rows) {  // each problem of <= 64 rows reuses ws / locks (stream order)
     MmaArgs a{static_cast<const char*>(x) + (size_t)m0 * K * esz, static_cast<const uint4*>(qweight), scales, zeros,
@@ -586,11 +658,11 @@ const char* launch_w4a16_mma(DType dt, int bits, const void* x, const void* qwei
               k_tiles, n_tiles, n_pad, group_size, groups, per, gs_shift, m0 + rows >= M};
     cudaError_t e;
     if (dt == DType::kHalf)
-      e = bits == 4 ? run_rows<half, 4>(a, grid, mb_max, g64, stream)
-                    : run_rows<half, 8>(a, grid, mb_max, g64, stream);
+      e = bits == 4 ? run_rows<half, 4>(a, grid, mb_max, g64, k2, stream)
+                    : run_rows<half, 8>(a, grid, mb_max, g64, k2, stream);
     else
-      e = bits == 4 ? run_rows<__nv_bfloat16, 4>(a, grid, mb_max, g64, stream)
-                    : run_rows<__nv_bfloat16, 8>(a, grid, mb_max, g64, stream);
+      e = bits == 4 ? run_rows<__nv_bfloat16, 4>(a, grid, mb_max, g64, k2, stream)
+                    : run_rows<__nv_bfloat16, 8>(a, grid, mb_max, g64, k2, stream);
     if (e != cudaSuccess) return cudaGetErrorString(e);
   }
   return nullptr;

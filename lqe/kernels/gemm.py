@@ -34,8 +34,9 @@ _COUNTERPART = {"lqe-wna16-fused": "triton-wna16", "lqe-wna16-ring": "triton-wna
                 "triton-wna16-swap": "lqe-wna16-fused",
                 "triton-dequant+cublas": "dequant+cublas", "dequant+cublas": "triton-dequant+cublas",
                 "triton-dequant-l2+cublas": "dequant+cublas",
-                "lqe-w4a16-mma": "triton-wna16", "lqe-w4a16-mma-dequant+cublas": "triton-dequant+cublas"}
-_MMA_KERNELS = (gemm_mma.MMA_KERNEL, "lqe-w4a16-mma-dequant+cublas")
+                "lqe-w4a16-mma": "triton-wna16", "lqe-w4a16-mma-k2": "triton-wna16",
+                "lqe-w4a16-mma-dequant+cublas": "triton-dequant+cublas"}
+_MMA_KERNELS = (*gemm_mma.MMA_GEMM_NAMES, "lqe-w4a16-mma-dequant+cublas")
 _TRITON_KERNELS = ("triton-wna16", "triton-wna16-swap", "triton-dequant+cublas", "triton-dequant-l2+cublas")
 # Split-K aims for this many resident blocks per SM so few-tile decode shapes still fill the GPU.
 # NEEDS MEASUREMENT (memory-level parallelism vs. fix-up traffic).
@@ -250,12 +251,12 @@ def _mma_call(x2: torch.Tensor, p: PackedMMA, bias: torch.Tensor | None, out: to
     name = kernel_for(m, x2.device, mma_layout=True) if path == "auto" else path
     if out is None:
         out = torch.empty(m, p.n, dtype=x2.dtype, device=x2.device)
-    if name in ("fused", "cuda", gemm_mma.MMA_KERNEL):
-        return gemm_mma.mma_gemm(_ext(), x2, p, bias, out, sms)
+    if name in ("fused", "cuda", *gemm_mma.MMA_GEMM_NAMES):
+        return gemm_mma.mma_gemm(_ext(), x2, p, bias, out, sms, gemm_mma.MMA_GEMM_NAMES.get(name, 1))
     if name in ("dequant", *gemm_mma.MMA_DEQUANT_NAMES):
         return gemm_mma.mma_dequant_matmul(_ext(), x2, p, bias, out)
-    raise ValueError(f"W4A16 path {path!r} cannot run lqe-w4a16-mma weights: use 'auto', {gemm_mma.MMA_KERNEL!r} "
-                     f"or 'lqe-w4a16-mma-dequant+cublas'")
+    raise ValueError(f"W4A16 path {path!r} cannot run lqe-w4a16-mma weights: use 'auto', {gemm_mma.MMA_KERNEL!r}, "
+                     f"{gemm_mma.MMA_K2_KERNEL!r} or 'lqe-w4a16-mma-dequant+cublas'")
 
 
 def wna16_dequantize(packed: PackedWNA16, kernel: str = "cuda") -> torch.Tensor:

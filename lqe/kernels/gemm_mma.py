@@ -16,6 +16,13 @@ from lqe.kernels.repack_mma import TILE_K, TILE_N, PackedMMA
 
 MAX_ROWS = 64  # kMmaMaxRows: rows of one launch (a larger M runs as several 64-row problems)
 MMA_KERNEL = "lqe-w4a16-mma"
+# The same GEMM with 8 warps per block splitting each k-tile (warps_k = 2: csrc/gemm/w4a16_mma.cu, KW) where it
+# applies (one scale group per 64-row k-tile: g a power of two >= 64, or channel-wise; the device's opt-in shared
+# memory holds the ring and the MB x 16 KB hand-over buffer); elsewhere it runs as lqe-w4a16-mma. A candidate until
+# measured (benchmarks/kernels_w4a16.py).
+MMA_K2_KERNEL = "lqe-w4a16-mma-k2"
+# table name -> warps_k of the mma GEMM
+MMA_GEMM_NAMES = {MMA_KERNEL: 1, MMA_K2_KERNEL: 2}
 # Table names that the mma layout serves with its own dequantize + cuBLAS (its weights are in another layout
 # than the wna16 kernels read).
 MMA_DEQUANT_NAMES = ("dequant+cublas", "triton-dequant+cublas", "triton-dequant-l2+cublas",
@@ -65,15 +72,19 @@ def sm_count(device: torch.device) -> int:
 
 
 def mma_gemm(ext, x2: torch.Tensor, p: PackedMMA, bias: torch.Tensor | None, out: torch.Tensor,
-             sms: int | None = None) -> torch.Tensor:
+             sms: int | None = None, warps_k: int = 1) -> torch.Tensor:
     """``out = x2 @ W (+ bias)`` with the tensor-core GEMM; ``x2`` already gathered by ``p.perm`` and contiguous.
-    ``sms`` overrides the number of stripes (default: the SM count)."""
+    ``sms`` overrides the number of stripes (default: the SM count); ``warps_k=2`` asks for the 8-warp k-split
+    kernel (:data:`MMA_K2_KERNEL`, where it applies)."""
+    if warps_k not in (1, 2):
+        raise ValueError(f"lqe-w4a16-mma: warps_k={warps_k!r}: use 1 (4 warps per block) or 2 (8, splitting each "
+                         "k-tile)")
     sms = int(sms) if sms else sm_count(x2.device)
     ws, locks = reserve_workspace(x2.device, p.n_pad, p.k_pad, sms)
     if x2.data_ptr() % 16:  # a view at an odd offset: cp.async copies 16-byte chunks (rare; one copy)
         x2 = x2.clone()
     ext.w4a16_mma_gemm(x2, p.qweight, p.scales, p.zeros, bias, out, ws, locks, p.bits, p.group_size, p.k_pad,
-                       p.n_pad, sms)
+                       p.n_pad, sms, warps_k)
     return out
 
 

@@ -149,6 +149,89 @@ def test_every_stripe_count_gives_the_same_deterministic_result(sms, m):
     check(y1, reference(x, p, None), k)
 
 
+def _k2_applies(gs: int) -> bool:
+    """gemm_mma.MMA_K2_KERNEL runs its 8-warp kernel where every 64-row k-tile lies in one scale group (g a power of
+    two >= 64, or channel-wise: an H100 / H200 holds its shared memory at every M); elsewhere it runs the 4-warp
+    kernel, bit for bit lqe-w4a16-mma."""
+    return gs == -1 or (gs >= 64 and gs & (gs - 1) == 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", KINDS, ids=[k[0] for k in KINDS])
+@pytest.mark.parametrize("sms", [1, "2x"])
+@pytest.mark.parametrize("m", [1, 7, 24, 64])
+def test_k2_matches_reference_every_format(m, sms, kind, dtype):
+    """lqe-w4a16-mma-k2: 8 warps per block, each k-tile's four slabs split between the lower and the upper four
+    warps, whose sums the lower ones take over through shared memory at every piece's end. One block (every piece
+    of every column tile in one stripe: the hand-over buffer reused piece after piece) and two per SM (pieces shared
+    between blocks through the L2 slots); one, two and four m16 tiles (M = 1 / 24 / 64), odd K / N at M = 7 (a
+    partial last k-tile); every format, deterministic. Where it does not apply (g32) it is lqe-w4a16-mma, bit for
+    bit."""
+    _, bits, gs, asym, act_order = kind
+    if sms == "2x":
+        sms = 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    k, n = (200, 136) if m == 7 else (1024, 768)
+    cw = canonical(k, n, bits, gs, asym, act_order, seed=m + bits + gs)
+    p = packed_on_gpu(cw, dtype)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    bias = torch.randn(n, device="cuda", dtype=dtype) if m != 16 else None
+    y = gemm.wna16_gemm(x, p, bias, path="lqe-w4a16-mma-k2", splits=sms)
+    assert y.shape == (m, n) and y.dtype == dtype
+    check(y, reference(x, p, bias), k)
+    assert torch.equal(y, gemm.wna16_gemm(x, p, bias, path="lqe-w4a16-mma-k2", splits=sms))
+    if not _k2_applies(gs):
+        assert torch.equal(y, gemm.wna16_gemm(x, p, bias, path="lqe-w4a16-mma", splits=sms))
+
+
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_k2_cuda_graph_replay_equals_eager(m):
+    """The 8-warp kernel captured (the table name a decode graph would run) gives its eager bits, and follows new
+    inputs on replay."""
+    from lqe.kernels import gemm_mma
+
+    k, n = 4096, 1024
+    cw = canonical(k, n, 4, 128, True, False, seed=20 + m)
+    p = packed_on_gpu(cw, torch.bfloat16)
+    gemm_mma.reserve_workspace("cuda", p.n_pad, p.k_pad)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    eager = gemm.wna16_gemm(x, p, path="lqe-w4a16-mma-k2").clone()
+    check(eager, reference(x, p, None), k)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        gemm.wna16_gemm(x, p, out=out, path="lqe-w4a16-mma-k2")
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gemm.wna16_gemm(x, p, out=out, path="lqe-w4a16-mma-k2")
+    out.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, gemm.wna16_gemm(x, p, path="lqe-w4a16-mma-k2"))
+
+
+def test_k2_in_a_table_runs_on_the_mma_layout(monkeypatch):
+    """A table that names lqe-w4a16-mma-k2 repacks layers into the mma layout and runs it where its row says."""
+    from lqe.kernels import dispatch
+    from lqe.quant_layers.wna16_kernels import select_w4a16_kernel
+
+    monkeypatch.setattr(dispatch, "WNA16_TABLE", [(16, "lqe-w4a16-mma-k2"), *dispatch.WNA16_MMA_TABLE])
+    monkeypatch.delenv("LQE_WNA16_TABLE", raising=False)
+    cw = canonical(1024, 512, 4, 128, True, False, seed=2)
+    module, reasons = select_w4a16_kernel(cw, "cuda", torch.bfloat16)
+    assert isinstance(module.packed(), repack_mma.PackedMMA), reasons
+    assert gemm.kernel_for(8, torch.device("cuda"), mma_layout=True) == "lqe-w4a16-mma-k2"
+    x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
+    y = module(x, None)
+    check(y, reference(x, module.packed(), None), 1024)
+    assert torch.equal(y, gemm.wna16_gemm(x, module.packed(), path="lqe-w4a16-mma-k2"))
+
+
 def test_dequant_cublas_path_and_auto_table():
     cw = canonical(512, 256, 4, 64, True, True, seed=9)
     p = packed_on_gpu(cw, torch.float16)
