@@ -22,7 +22,7 @@ echo "# lqe-w4a16-mma ptxas -v ($("$NVCC" --version | tail -1)), commit $(git re
 echo "# command: bash benchmarks/w4a16_ptxas.sh"
 echo "# g64: one scale group per 64-row k-tile (group size a power of two >= 64, or channel-wise); stages and dynamic"
 echo "# shared memory from the Smem<BITS, MB, G64, KW> formula (ptxas reports only static shared memory); threads:"
-echo "# 128 x KW (KW = 2: 8 warps splitting each k-tile, M <= 16 with g64 only, + the hand-over buffer)"
+echo "# 128 x KW (KW = 2: 8 warps splitting each k-tile, g64 only, + the MB x 16 KB hand-over buffer)"
 python - "$LOG" <<'PY'
 import re, sys
 cur = None
