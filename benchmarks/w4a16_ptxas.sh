@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # ptxas resource report of lqe-w4a16-mma (csrc/gemm/w4a16_mma.cu) per template configuration and arch:
-# registers, spills (must be 0) and shared memory (dynamic: stages * (weights + activations + 2 x scale slots)
-# per stage, from the Smem<> formula; ptxas reports only static shared memory). No GPU needed.
+# registers, spills (none may sit in a k-tile loop: read the SASS where ptxas reports any) and shared memory
+# (dynamic: stages * (weights + activations + 2 x scale slots) per stage, + the KW = 2 hand-over buffer, from the
+# Smem<> formula; ptxas reports only static shared memory). No GPU needed.
 #   bash benchmarks/w4a16_ptxas.sh > benchmarks/results/w4a16-ptxas.txt
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -33,7 +33,9 @@ constexpr int kThreads = 128;  // 4 warps, warp w owns columns [64w, 64w + 64) o
 
 // KW (warps_k): 1, or 2 for a G64 weight: 8 warps, warp w on columns [64 (w & 3), + 64) and slabs 2 (w >> 2), + 1
 // of every k-tile (16 rows each); at a piece's end the upper four warps hand their sums to the lower four through
-// shared memory, which finish the piece. Why: the H200 rows of af342f8 ran the one-warp-per-SM-sub-partition kernel
+// shared memory, which finish the piece; a tile's k = 0 piece first adds the other pieces' slots, the first half of
+// them in the lower warps and the rest in the upper ones (twice the L2 loads in flight; a fixed order, so
+// deterministic, but not KW = 1's bits). Why: the H200 rows of af342f8 ran the one-warp-per-SM-sub-partition kernel
 // at 22-46 % of the byte floor at M = 1, latency-bound (one warp's static schedule per k-tile, 641 cycles, is over
 // the ~500 a k-tile may take at the copy rate, before any stall): two blocks per SM ("-2cta", sms = 2 x SMs) ran the
 // 4096 x 28672 shape 17 % faster (25.9 against 31.3 us) but the small shapes slower (twice the pieces to reduce
@@ -261,10 +263,35 @@ __global__ void __launch_bounds__(threads_of<KW>(), 1) w4a16_mma_kernel(const Mm
   // this thread's accumulator pair (i, j, h): problem row frag_row(i, h), output columns frag_col(nt, j) and + 1
   auto frag_row = [&](int i, int h) { return i * 16 + g8 + 8 * h; };
   auto frag_col = [&](int nt, int j) { return nt * kMmaTileN + warp * 64 + j * 8 + 2 * t4; };
+  // KW = 2: the upper warps' sums into the lower warps' (the same fragment rows and columns: tid & 127). The lower
+  // warps read the buffer before the next k-tile's barrier, which the upper warps pass before they write it again
+  // (every piece has a k-tile). Block-uniform: every thread calls it.
+  auto hand_over = [&]() {
+    if (KW == 1) return;
+    float* red = reinterpret_cast<float*>(smem + SM::kRing) + (tid & (kThreads - 1));
+    if (!owner) {
+#pragma unroll
+      for (int i = 0; i < MB; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) red[((i * 8 + j) * 4 + c) * kThreads] = acc[i][j][c];
+    }
+    __syncthreads();
+    if (owner) {
+#pragma unroll
+      for (int i = 0; i < MB; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) acc[i][j][c] += red[((i * 8 + j) * 4 + c) * kThreads];
+    }
+  };
   auto finish_piece = [&](int nt, int k_lo) {
     const int first = (nt * a.k_tiles) / a.per, others = (nt * a.k_tiles + a.k_tiles - 1) / a.per - first;
     int* count = a.locks + nt;
     if (k_lo != 0) {
+      hand_over();
       float* slot = a.ws + (size_t)(stripe - first - 1) * kMmaMaxRows * a.n_pad;
 #pragma unroll
       for (int i = 0; i < MB; ++i)
@@ -285,7 +312,10 @@ __global__ void __launch_bounds__(threads_of<KW>(), 1) w4a16_mma_kernel(const Mm
       if (tid == 0)
         while (ld_acquire(count) != others) __nanosleep(32);  // (spares L2 the polling of a long wait)
       __syncthreads();
-      for (int o = 0; o < (owner ? others : 0); ++o) {
+      // KW = 2: the lower warps add slots [0, o_mid), the upper ones [o_mid, others) into their own sums before the
+      // hand-over (twice the loads in flight: at 64 rows a slot is 64 KB, read from L2 by this one block)
+      const int o_mid = KW == 1 ? others : (others + 1) >> 1;
+      for (int o = owner ? 0 : o_mid; o < (owner ? o_mid : others); ++o) {
         const float* slot = a.ws + (size_t)o * kMmaMaxRows * a.n_pad;
 #pragma unroll
         for (int i = 0; i < MB; ++i) {
@@ -308,6 +338,7 @@ __global__ void __launch_bounds__(threads_of<KW>(), 1) w4a16_mma_kernel(const Mm
         }
       }
     }
+    hand_over();
     T* C = static_cast<T*>(a.C);
     const T* bias = static_cast<const T*>(a.bias);
 #pragma unroll
@@ -431,28 +462,6 @@ __global__ void __launch_bounds__(threads_of<KW>(), 1) w4a16_mma_kernel(const Mm
           prep();
         }
         compute(f[u % kBuf]);
-      }
-    }
-    if (KW > 1) {  // the upper warps' sums into the lower warps' (same thread columns and rows: tid & 127)
-      float* red = reinterpret_cast<float*>(smem + SM::kRing) + (tid & (kThreads - 1));
-      if (!owner) {
-#pragma unroll
-        for (int i = 0; i < MB; ++i)
-#pragma unroll
-          for (int j = 0; j < 8; ++j)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) red[((i * 8 + j) * 4 + c) * kThreads] = acc[i][j][c];
-      }
-      // (the lower warps read the buffer before the next k-tile's barrier, which the upper warps pass before they
-      // write it again: every piece has a k-tile)
-      __syncthreads();
-      if (owner) {
-#pragma unroll
-        for (int i = 0; i < MB; ++i)
-#pragma unroll
-          for (int j = 0; j < 8; ++j)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc[i][j][c] += red[((i * 8 + j) * 4 + c) * kThreads];
       }
     }
     finish_piece(nt, it0 > nt * a.k_tiles ? k_lo0 : 0);

@@ -131,20 +131,22 @@ def test_unaligned_activation_view():
     check(gemm.wna16_gemm(x, p, path="lqe-w4a16-mma"), reference(x, p, None), 512)
 
 
+@pytest.mark.parametrize("path", ["lqe-w4a16-mma", "lqe-w4a16-mma-k2"])
 @pytest.mark.parametrize("sms", [1, 2, 5, 37, None, "2x", 500])
 @pytest.mark.parametrize("m", [1, 48])
-def test_every_stripe_count_gives_the_same_deterministic_result(sms, m):
+def test_every_stripe_count_gives_the_same_deterministic_result(sms, m, path):
     """1 block (no reduction) to many stripes per column tile (each piece above k = 0 in a workspace slot of its
-    own, added up by the k = 0 piece in slot order): two blocks per SM ("2x") and more blocks than fit at once (500:
-    a k = 0 piece waits only on blocks dispatched before it); twice = bit-identical."""
+    own, added up by the k = 0 piece in slot order; -k2: half the slots in each warp group): two blocks per SM
+    ("2x") and more blocks than fit at once (500: a k = 0 piece waits only on blocks dispatched before it); twice =
+    bit-identical."""
     if sms == "2x":
         sms = 2 * torch.cuda.get_device_properties(0).multi_processor_count
     k, n = 4096, 512
     cw = canonical(k, n, 4, 128, True, False, seed=3)
     p = packed_on_gpu(cw, torch.bfloat16)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    y1 = gemm.wna16_gemm(x, p, path="lqe-w4a16-mma", splits=sms)
-    y2 = gemm.wna16_gemm(x, p, path="lqe-w4a16-mma", splits=sms)
+    y1 = gemm.wna16_gemm(x, p, path=path, splits=sms)
+    y2 = gemm.wna16_gemm(x, p, path=path, splits=sms)
     assert torch.equal(y1, y2)
     check(y1, reference(x, p, None), k)
 
@@ -158,15 +160,15 @@ def _k2_applies(gs: int) -> bool:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", KINDS, ids=[k[0] for k in KINDS])
-@pytest.mark.parametrize("sms", [1, "2x"])
+@pytest.mark.parametrize("sms", [1, 5, "2x"])
 @pytest.mark.parametrize("m", [1, 7, 24, 64])
 def test_k2_matches_reference_every_format(m, sms, kind, dtype):
     """lqe-w4a16-mma-k2: 8 warps per block, each k-tile's four slabs split between the lower and the upper four
     warps, whose sums the lower ones take over through shared memory at every piece's end. One block (every piece
-    of every column tile in one stripe: the hand-over buffer reused piece after piece) and two per SM (pieces shared
-    between blocks through the L2 slots); one, two and four m16 tiles (M = 1 / 24 / 64), odd K / N at M = 7 (a
-    partial last k-tile); every format, deterministic. Where it does not apply (g32) it is lqe-w4a16-mma, bit for
-    bit."""
+    of every column tile in one stripe: the hand-over buffer reused piece after piece), 5 (a k = 0 piece with one
+    slot to add: the upper warps add none) and two per SM (up to 15 slots, split between the warp groups); one, two
+    and four m16 tiles (M = 1 / 24 / 64), odd K / N at M = 7 (a partial last k-tile); every format, deterministic.
+    Where it does not apply (g32) it is lqe-w4a16-mma, bit for bit."""
     _, bits, gs, asym, act_order = kind
     if sms == "2x":
         sms = 2 * torch.cuda.get_device_properties(0).multi_processor_count
