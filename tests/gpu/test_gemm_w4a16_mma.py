@@ -185,38 +185,6 @@ def test_k2_matches_reference_every_format(m, sms, kind, dtype):
         assert torch.equal(y, gemm.wna16_gemm(x, p, bias, path="lqe-w4a16-mma", splits=sms))
 
 
-@pytest.mark.parametrize("m", [1, 16, 64])
-def test_k2_cuda_graph_replay_equals_eager(m):
-    """The 8-warp kernel captured (the table name a decode graph would run) gives its eager bits, and follows new
-    inputs on replay."""
-    from lqe.kernels import gemm_mma
-
-    k, n = 4096, 1024
-    cw = canonical(k, n, 4, 128, True, False, seed=20 + m)
-    p = packed_on_gpu(cw, torch.bfloat16)
-    gemm_mma.reserve_workspace("cuda", p.n_pad, p.k_pad)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    eager = gemm.wna16_gemm(x, p, path="lqe-w4a16-mma-k2").clone()
-    check(eager, reference(x, p, None), k)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        gemm.wna16_gemm(x, p, out=out, path="lqe-w4a16-mma-k2")
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        gemm.wna16_gemm(x, p, out=out, path="lqe-w4a16-mma-k2")
-    out.zero_()
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager)
-    x.copy_(torch.randn_like(x))
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, gemm.wna16_gemm(x, p, path="lqe-w4a16-mma-k2"))
-
-
 def test_k2_in_a_table_runs_on_the_mma_layout(monkeypatch):
     """A table that names lqe-w4a16-mma-k2 repacks layers into the mma layout and runs it where its row says."""
     from lqe.kernels import dispatch
@@ -244,8 +212,11 @@ def test_dequant_cublas_path_and_auto_table():
     assert gemm.kernel_for(1, x.device, mma_layout=True) in ("lqe-w4a16-mma", "lqe-w4a16-mma-dequant+cublas")
 
 
+@pytest.mark.parametrize("path", ["lqe-w4a16-mma", "lqe-w4a16-mma-k2"])
 @pytest.mark.parametrize("m", [1, 16, 64, 130])
-def test_cuda_graph_replay_equals_eager(m):
+def test_cuda_graph_replay_equals_eager(m, path):
+    """Captured (as a decode or piecewise graph runs it), the GEMM gives its eager bits and follows new inputs on
+    replay; -k2 (g128: its 8-warp kernel) too."""
     k, n = 2048, 1024
     cw = canonical(k, n, 4, 128, False, True, seed=m)
     p = packed_on_gpu(cw, torch.bfloat16)
@@ -253,15 +224,16 @@ def test_cuda_graph_replay_equals_eager(m):
     gemm_mma_ws.reserve_workspace("cuda", p.n_pad)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    eager = gemm.wna16_gemm(x, p, path="lqe-w4a16-mma").clone()
+    eager = gemm.wna16_gemm(x, p, path=path).clone()
+    check(eager, reference(x, p, None), k)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        gemm.wna16_gemm(x, p, out=out, path="lqe-w4a16-mma")  # warm-up outside capture
+        gemm.wna16_gemm(x, p, out=out, path=path)  # warm-up outside capture
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        gemm.wna16_gemm(x, p, out=out, path="lqe-w4a16-mma")
+        gemm.wna16_gemm(x, p, out=out, path=path)
     out.zero_()
     g.replay()
     torch.cuda.synchronize()
@@ -269,7 +241,7 @@ def test_cuda_graph_replay_equals_eager(m):
     x.copy_(torch.randn_like(x))
     g.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, gemm.wna16_gemm(x, p, path="lqe-w4a16-mma"))
+    assert torch.equal(out, gemm.wna16_gemm(x, p, path=path))
 
 
 def test_quant_layer_path_selects_mma_when_the_table_names_it(monkeypatch):
