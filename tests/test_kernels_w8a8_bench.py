@@ -44,7 +44,7 @@ def test_implied_w4a16_tables_are_one_per_weight_layout():
     t = kw8.implied_tables(rows)
     # the wna16 layout's rows under their dispatch names; the mma rows in a table of their own
     assert t["WNA16_TABLE"] == [(1, "lqe-wna16-fused"), (16, "triton-wna16-swap"), (None, "dequant+cublas")]
-    # (the 8-warp k-split GEMM is a table name of its own: timed at M <= 16 only, it wins M = 1 here)
+    # (the 8-warp k-split GEMM is a table name of its own: timed at M = 1 only here, where it wins)
     assert t["WNA16_MMA_TABLE"] == [(1, "lqe-w4a16-mma-k2"), (16, "lqe-w4a16-mma"),
                                     (None, "lqe-w4a16-mma-dequant+cublas")]
     from lqe.kernels import dispatch, gemm

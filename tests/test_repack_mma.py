@@ -225,6 +225,16 @@ def test_tables_resolve_to_one_layout(monkeypatch):
     assert gemm.active_table() is dispatch.WNA16_TABLE
 
 
+def test_a_bad_warps_k_is_named():
+    """The mma GEMM's warps per k-tile are 1 or 2 (lqe-w4a16-mma / -k2); anything else is refused before a launch."""
+    from lqe.kernels import gemm_mma
+
+    p = repack_mma.repack_mma(make_canonical(128, 64, 4, 64, False, False, seed=0), torch.float16)
+    with pytest.raises(ValueError, match="warps_k=3"):
+        gemm_mma.mma_gemm(None, torch.zeros(1, 128, dtype=torch.float16), p, None,
+                          torch.empty(1, 64, dtype=torch.float16), warps_k=3)
+
+
 def test_an_mma_table_that_cannot_be_honoured_says_so(monkeypatch, caplog):
     """LQE_WNA16_TABLE=mma with the CUDA extension unbuilt: the layer takes the wna16 layout (Triton), and a warning
     names why, once per reason (a benchmark's w4a16-mma row would otherwise report Triton numbers unnoticed)."""

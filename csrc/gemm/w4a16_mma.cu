@@ -222,8 +222,9 @@ __global__ void __launch_bounds__(threads_of<KW>(), 1) w4a16_mma_kernel(const Mm
     w_wr = w_wr == w_last ? w_first : w_wr + SM::kStage;  // stages are loaded in slot order 0, 1, .., kStages - 1, 0
     const uint32_t adst = dst + a_off0;
     const bool kok = kt * kMmaTileK + a_ch * 8 < a.K;
+    // MB*16 rows x 8 chunks of 16 bytes: rows a_r0 + 16 i, 2048 bytes apart (KW = 2: by the lower 128 threads)
 #pragma unroll
-    for (int i = 0; i < (owner ? MB : 0); ++i) {  // (KW = 2: the lower 128 threads copy the activation rows)  // MB*16 rows x 8 chunks of 16 bytes: rows a_r0 + 16 i, 2048 bytes apart
+    for (int i = 0; i < (owner ? MB : 0); ++i) {
       const bool ok = kok && ((a_rows_ok >> i) & 1);
       cp16_zfill(adst + i * 2048, ok ? reinterpret_cast<const void*>(a_cur + i * a_rowstep) : (const void*)A, ok);
     }

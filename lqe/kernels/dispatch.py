@@ -92,9 +92,9 @@ WNA16_RING_TABLE: list[tuple[int | None, str]] = [
 # Candidate since (not measured): "lqe-w4a16-mma-k2" (gemm_mma.MMA_K2_KERNEL), the same GEMM with 8 warps per block
 # splitting each k-tile (g a power of two >= 64, or channel-wise), the in-block form of "-2cta" (which won on the
 # 4096 x 28672 shape and lost on the small ones), whose k = 0 pieces read the other pieces' slots with both warp
-# groups (the reduction below); benchmarks/kernels_w4a16.py times it at every M beside
-# lqe-w4a16-mma, and a table row may name it. Seen in the same rows, left for later: per 64-row problem the mma GEMM
-# takes ~30 us on 4096 x 4096 at any M > 32 (M = 64 / 128 / 1024: 30.5 / 61.0 / 488.9 us, 16 problems), ~7x one
+# groups (the reduction below); benchmarks/kernels_w4a16.py times it at every M beside lqe-w4a16-mma, and a table
+# row may name it. Seen in the same rows, left for later: per 64-row problem the mma GEMM takes ~30 us on
+# 4096 x 4096 at any M > 32 (M = 64 / 128 / 1024: 30.5 / 61.0 / 488.9 us, 16 problems), ~7x one
 # warp's static k-tile schedule (1128 cycles x 7.75 k-tiles per block), while 4096 x 28672 (~2 pieces per column
 # tile) runs at ~2x it: the k = 0 piece's block reading the 7 other pieces' 64 x 256 fp32 slots from L2 (448 KB, one
 # block, 4 round trips per slot) is the likely cost at 8 pieces per tile.
