@@ -222,6 +222,52 @@ template <> struct Dq<__nv_bfloat16, 8> {
   }
 };
 
+// The dequantize kernels (dequantize + cuBLAS above the GEMMs' crossover): one warp decodes one 16 x 64 tile with the
+// GEMMs' registers and Dq<T, BITS> (bit-identical to the B fragments they feed) and writes it to the dense W[K, N].
+// A lane's fragment holds 4 rows of one column, so direct stores wrote 2-byte pieces 4 rows apart (16-byte runs per
+// row per instruction: the H200 ran lqe-w4a16-mma's dequantize so at 0.15-0.2 TB/s of writes, 89 us for
+// 4096 x 6144 against 27 us for the Triton dequantize of the same bytes). The warp stages its tile in shared memory
+// and writes it back as whole 128-byte rows, 16 bytes per lane.
+constexpr int kDqRow = 64 + 8;  // staged row stride in elements (144 bytes): the 4 rows one store instruction of a
+                                // warp touches (2 t4, t4 = 0..3) start 8 banks apart, so the stores do not conflict
+
+// words: this lane's 4 * BITS / 4 fragment words of the tile; p[j]: Dq::prep of the scale (and zero point) of its
+// column j * 8 + g8; st: the warp's 16 * kDqRow stage; the tile's rows k0.. and columns col0.. of W[K, N] (rows past
+// K and columns past N are not written); vec: N % 8 == 0 and W 16-byte aligned.
+template <typename T, int BITS>
+__device__ __forceinline__ void dequant_tile_store(const uint32_t* words, const typename Dq<T, BITS>::P (&p)[8],
+                                                   T* st, T* __restrict__ W, int N, int K, int k0, int col0,
+                                                   bool vec) {
+  const int lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    uint32_t b[2];
+    Dq<T, BITS>::tile(words, j, p[j], b[0], b[1]);
+    const T* e = reinterpret_cast<const T*>(b);  // tile rows 2t4, 2t4+1, 2t4+8, 2t4+9 of tile column 8 j + g8
+    T* c = st + 2 * t4 * kDqRow + j * 8 + g8;
+    c[0] = e[0];
+    c[kDqRow] = e[1];
+    c[8 * kDqRow] = e[2];
+    c[9 * kDqRow] = e[3];
+  }
+  __syncwarp();
+  // 16 rows x 8 chunks of 8 columns: lane l moves chunks l, l + 32, l + 64, l + 96 (8 lanes per row)
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int q = i * 32 + lane, r = q >> 3, c = (q & 7) * 8, k = k0 + r, col = col0 + c;
+    if (k >= K || col >= N) continue;
+    const T* src = st + r * kDqRow + c;
+    T* dst = W + (size_t)k * N + col;
+    if (vec) {  // the chunk is whole and aligned
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    } else {
+#pragma unroll
+      for (int u = 0; u < 8; ++u)
+        if (col + u < N) dst[u] = src[u];
+    }
+  }
+}
+
 // Split-K fix-up (threadFenceReduction pattern): every split stores its fp32/int32 partial tile into
 // ws[split][M][N]; the last block to arrive on a tile (counted in counters[tile], reset to 0 by it) sums
 // the splits and applies the epilogue. Deterministic: the sum runs in split order.

@@ -547,16 +547,10 @@ int max_row_tiles() {
   return Smem<BITS, 2, false>::kTotal <= optin ? 2 : 1;
 }
 
-// Dense W[K, N] (sorted-K order) from the repack_mma layout, one warp per 16 x 64 warp tile, decoded with the
-// GEMM's registers and Dq<T, BITS> (bit-identical to the B fragments it feeds): the dequantize + cuBLAS path
-// above the crossover, and a direct GPU check of the layout against lqe/kernels/mma_ref.py.
-// A lane's fragment holds 4 rows of one column, so its direct stores wrote 2-byte pieces 4 rows apart (16-byte
-// runs per row per instruction: the H200 ran this kernel at 0.15-0.2 TB/s of writes, 89 us for 4096 x 6144 against
-// 27 us for the Triton dequantize of the same bytes). The warp now stages its 16 x 64 tile in shared memory and
-// writes it back as whole 128-byte rows, 16 bytes per lane.
-constexpr int kDqWarps = 8;     // warps (tiles) per block
-constexpr int kDqRow = 64 + 8;  // staged row stride in elements (144 bytes): the 4 rows one store instruction of a
-                                // warp touches (2 t4, t4 = 0..3) start 8 banks apart, so the stores do not conflict
+// Dense W[K, N] (sorted-K order) from the repack_mma layout, one warp per 16 x 64 warp tile, decoded and written by
+// gemm_common.cuh's dequant_tile_store (bit-identical to the B fragments the GEMM feeds): the dequantize + cuBLAS
+// path above the crossover, and a direct GPU check of the layout against lqe/kernels/mma_ref.py.
+constexpr int kDqWarps = 8;  // warps (tiles) per block
 
 template <typename T, int BITS>
 __global__ void __launch_bounds__(kDqWarps * 32) w4a16_mma_dequant_kernel(
@@ -565,7 +559,7 @@ __global__ void __launch_bounds__(kDqWarps * 32) w4a16_mma_dequant_kernel(
   using D = Dq<T, BITS>;
   constexpr int V = BITS / 4;
   __shared__ __align__(16) T stage[kDqWarps][16 * kDqRow];
-  const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, g8 = lane >> 2, t4 = lane & 3;
+  const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, g8 = lane >> 2;
   const int t = blockIdx.x * kDqWarps + wib;
   if (t >= tiles) return;  // (a whole warp: nothing below synchronizes more than one warp)
   const int wq = t & 3, s = (t >> 2) & 3, nt = (t >> 4) % n_tiles, kt = (t >> 4) / n_tiles;
@@ -581,35 +575,10 @@ __global__ void __launch_bounds__(kDqWarps * 32) w4a16_mma_dequant_kernel(
   const int k0 = kt * kMmaTileK + s * 16, col0 = nt * kMmaTileN + wq * 64;
   const size_t sidx = (size_t)min(k0 / group_size, groups - 1) * n_pad + col0 + g8 * 8;
   const T zc = from_f<T>((float)(1 << (BITS - 1)));
-  T* st = stage[wib];
+  typename D::P p[8];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const typename D::P p = D::prep(S[sidx + j], Z ? Z[sidx + j] : zc);
-    uint32_t b[2];
-    D::tile(w, j, p, b[0], b[1]);
-    const T* e = reinterpret_cast<const T*>(b);  // tile rows 2t4, 2t4+1, 2t4+8, 2t4+9 of tile column 8 j + g8
-    T* c = st + 2 * t4 * kDqRow + j * 8 + g8;
-    c[0] = e[0];
-    c[kDqRow] = e[1];
-    c[8 * kDqRow] = e[2];
-    c[9 * kDqRow] = e[3];
-  }
-  __syncwarp();
-  // 16 rows x 8 chunks of 8 columns: lane l moves chunks l, l + 32, l + 64, l + 96 (8 lanes per row)
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int q = i * 32 + lane, r = q >> 3, c = (q & 7) * 8, k = k0 + r, col = col0 + c;
-    if (k >= K || col >= N) continue;
-    const T* src = st + r * kDqRow + c;
-    T* dst = W + (size_t)k * N + col;
-    if (vec) {  // N % 8 == 0 and W 16-byte aligned: the chunk is whole and aligned
-      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-    } else {
-#pragma unroll
-      for (int u = 0; u < 8; ++u)
-        if (col + u < N) dst[u] = src[u];
-    }
-  }
+  for (int j = 0; j < 8; ++j) p[j] = D::prep(S[sidx + j], Z ? Z[sidx + j] : zc);
+  dequant_tile_store<T, BITS>(w, p, stage[wib], W, N, K, k0, col0, vec);
 }
 
 template <typename T, int BITS>

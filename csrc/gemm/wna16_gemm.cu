@@ -261,19 +261,26 @@ __global__ void __launch_bounds__(kWna16Threads) wna16_gemm_kernel(
   }
 }
 
-// One warp per (16-row slab, 64-column tile): the same fragment decode as the GEMM, written out densely.
+// One warp per (16-row slab, 64-column tile), kDqWarps per block: the same fragment decode as the GEMM, written out
+// densely through the warp's shared-memory stage (gemm_common.cuh dequant_tile_store: whole 128-byte rows). Its
+// direct 2-byte stores ran at ~5 % of the byte floor on the H200 at af342f8 (286 us for 4096 x 28672, row
+// lqe-w4a16-dequant), as lqe-w4a16-mma's dequantize had before the same change (89 -> 27 us class). NOT MEASURED.
+constexpr int kDqWarps = 8;
+
 template <typename T, int BITS, bool HAS_ZP>
-__global__ void wna16_dequant_kernel(const uint4* __restrict__ B, const T* __restrict__ S,
-                                     const T* __restrict__ Z, T* __restrict__ W, int N, int K, int group_size) {
+__global__ void __launch_bounds__(kDqWarps * 32) wna16_dequant_kernel(
+    const uint4* __restrict__ B, const T* __restrict__ S, const T* __restrict__ Z, T* __restrict__ W, int N, int K,
+    int group_size, bool vec) {
   using D = Dq<T, BITS>;
   constexpr int V4 = BITS / 4;
-  const int lane = threadIdx.x & 31;
-  const int g8 = lane >> 2, t4 = lane & 3;
+  __shared__ __align__(16) T stage[kDqWarps][16 * kDqRow];
+  const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, g8 = lane >> 2;
   const int ntiles = N / 64;
-  const int tile = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
-  if (tile >= (K / 16) * ntiles) return;
+  const int tile = blockIdx.x * kDqWarps + wib;
+  if (tile >= (K / 16) * ntiles) return;  // (a whole warp: nothing below synchronizes more than one warp)
   const int ks = tile / ntiles, nt = tile % ntiles;
   uint32_t w[4 * V4];
+#pragma unroll
   for (int v = 0; v < V4; ++v) {
     const uint4 r = ld_stream_v4(B + ((size_t)tile * 32 + lane) * V4 + v);
     w[4 * v + 0] = r.x; w[4 * v + 1] = r.y; w[4 * v + 2] = r.z; w[4 * v + 3] = r.w;
@@ -281,18 +288,10 @@ __global__ void wna16_dequant_kernel(const uint4* __restrict__ B, const T* __res
   const int g = ks * 16 / group_size;
   const size_t sidx = (size_t)g * N + nt * 64 + g8 * 8;
   const T zc = from_f<T>((float)(1 << (BITS - 1)));
+  typename D::P p[8];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const typename D::P p = D::prep(S[sidx + j], HAS_ZP ? Z[sidx + j] : zc);
-    uint32_t b[2];
-    D::tile(w, j, p, b[0], b[1]);
-    const T* e = reinterpret_cast<const T*>(b);  // (k0, k1), (k8, k9)
-    const int col = nt * 64 + j * 8 + g8, k = ks * 16 + 2 * t4;
-    W[(size_t)(k + 0) * N + col] = e[0];
-    W[(size_t)(k + 1) * N + col] = e[1];
-    W[(size_t)(k + 8) * N + col] = e[2];
-    W[(size_t)(k + 9) * N + col] = e[3];
-  }
+  for (int j = 0; j < 8; ++j) p[j] = D::prep(S[sidx + j], HAS_ZP ? Z[sidx + j] : zc);
+  dequant_tile_store<T, BITS>(w, p, stage[wib], W, N, K, ks * 16, nt * 64, vec);
 }
 
 // One GEMM call's operands, passed down the template dispatch (dtype, bits, zero points, M tile) as they are.
@@ -339,10 +338,15 @@ void run_typed(const GemmCall& c) {
 
 template <typename T, int BITS>
 void run_dequant(const void* qw, const void* s, const void* z, void* out, int N, int K, int gs, cudaStream_t st) {
-  const int tiles = (K / 16) * (N / 64), warps = 8;
-  const dim3 grid((tiles + warps - 1) / warps);
-  if (z) wna16_dequant_kernel<T, BITS, true><<<grid, warps * 32, 0, st>>>((const uint4*)qw, (const T*)s, (const T*)z, (T*)out, N, K, gs);
-  else wna16_dequant_kernel<T, BITS, false><<<grid, warps * 32, 0, st>>>((const uint4*)qw, (const T*)s, nullptr, (T*)out, N, K, gs);
+  const int tiles = (K / 16) * (N / 64);
+  const dim3 grid((tiles + kDqWarps - 1) / kDqWarps);
+  const bool vec = reinterpret_cast<uintptr_t>(out) % 16 == 0;  // (N % 64 == 0: every 8-column chunk is whole)
+  if (z)
+    wna16_dequant_kernel<T, BITS, true><<<grid, kDqWarps * 32, 0, st>>>((const uint4*)qw, (const T*)s, (const T*)z,
+                                                                         (T*)out, N, K, gs, vec);
+  else
+    wna16_dequant_kernel<T, BITS, false><<<grid, kDqWarps * 32, 0, st>>>((const uint4*)qw, (const T*)s, nullptr,
+                                                                          (T*)out, N, K, gs, vec);
 }
 
 const char* check_shape(int bits, int N, int K, int gs) {

@@ -32,7 +32,9 @@ from __future__ import annotations
 #   triton-wna16-swap        1.57/1.33  1.61/1.37  1.60/1.36  1.49/1.26  1.32/1.05  1.24/1.00  1.01/0.74  0.48/0.35
 #   triton-wna16             1.08/0.92  1.11/0.94  1.11/0.94  1.04/0.88  0.96/0.84  0.90/0.78  0.67/0.58  0.65/0.47
 #   triton-dequant+cublas    (the old table's layer path above M = 128)                                     0.50/0.47
-# and at M=1024 triton-dequant+cublas 0.79x (triton-wna16 0.50x). The swapped-operand GEMM takes M = 3..64 (the old
+# and at M=1024 triton-dequant+cublas 0.79x (triton-wna16 0.50x). (The CUDA dequantize of "dequant+cublas", at ~5 % of
+# the byte floor then, writes whole rows through shared memory since stop 47, as the mma layout's does: not measured;
+# the runbook's A2 times it at M = 256.) The swapped-operand GEMM takes M = 3..64 (the old
 # table's 1.32 / 1.04 / 0.96 / 0.90 / 0.67x at M = 4 / 8 / 16 / 32 / 64 become 1.60 / 1.49 / 1.32 / 1.24 / 1.01x);
 # the CUDA GEMV keeps M <= 2 with PDL (on by default on sm_90+: device_info.pdl_enabled), level with the swap GEMM at
 # M = 2 but 9 % better on the worst shape. The mma layout (WNA16_MMA_TABLE) beats this table at M = 8 / 16 (1.51 /

@@ -165,6 +165,22 @@ def test_dequant_kernel_matches_emulation_exactly(dtype, bits, asym):
     assert torch.equal(w, cw.dequantize(torch.float32)[p.perm].to(dtype))
 
 
+@pytest.mark.parametrize("offset", [0, 1])
+def test_dequant_kernel_writes_every_element_aligned_or_not(offset):
+    """The CUDA dequantize writes whole rows from its shared-memory stage, 16 bytes per lane where ``out`` is 16-byte
+    aligned and element by element where not (a view at an odd offset): every element of a NaN-poisoned ``out`` is
+    written, with the emulation's bits, on a Llama-3-8B-wide shape (many blocks of 8 tiles)."""
+    k, n = 1024, 4096
+    cw = canonical(k, n, 4, 128, True, False, seed=offset)
+    cw.scales = cw.scales.to(torch.bfloat16).float()
+    p = repack.repack_wna16(cw, torch.bfloat16)
+    buf = torch.full((k * n + offset,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = buf[offset:].view(k, n)
+    assert (out.data_ptr() % 16 == 0) == (offset == 0)
+    gemm._ext().wna16_dequant(p.qweight.cuda(), p.scales.cuda(), p.zeros.cuda(), out, 4, 128)
+    assert torch.equal(out.cpu(), gemm_ref.dequantize_wna16(p))
+
+
 def test_batched_leading_dims_and_callable():
     cw = canonical(512, 128, 4, 128, False, False, seed=1)
     kernel, reason = gemm.select_w4a16_kernel(cw, torch.device("cuda"), torch.bfloat16)
