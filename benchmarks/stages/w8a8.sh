@@ -10,10 +10,12 @@
 #      GEMM against producer + cuBLAS bf16; for o_proj the standalone quantizer + GEMM against cuBLAS bf16 alone), the
 #      floors, and the W8A8 / FP8 tables the run implies, printed and saved after every shape
 #      -> $OUTDIR/kernels-$SLUG.json,
-#   4. (LQE_W8A8_SWEEP=1 only) the GEMV / int8 tile-config sweep at M = 1 16 on two shapes, printing paste-able
-#      triton_w8a8 / triton_gemv_w8a8 CONFIGS and W8A8_TABLE -> $OUTDIR/kernels-w8a8-sweep-$SLUG.json,
-#   5. (LQE_FP8_SWEEP=1 only) the same for fp8 (per-channel, block-scaled, GEMV; triton_fp8 CONFIGS / BLOCK_CONFIGS,
-#      triton_gemv_w8a8 FP8_CONFIGS, FP8_TABLE) -> $OUTDIR/kernels-fp8-sweep-$SLUG.json,
+#   4. (LQE_W8A8_SWEEP=1 only) the GEMV / int8 tile-config sweep at M = LQE_W8A8_SWEEP_MS (default 1 16) on two
+#      shapes, printing paste-able triton_w8a8 / triton_gemv_w8a8 CONFIGS and W8A8_TABLE
+#      -> $OUTDIR/kernels-w8a8-sweep-$SLUG.json,
+#   5. (LQE_FP8_SWEEP=1 only) the same for fp8 at M = LQE_FP8_SWEEP_MS (default 1 16 256): per-channel, block-scaled,
+#      GEMV; triton_fp8 CONFIGS / BLOCK_CONFIGS, triton_gemv_w8a8 FP8_CONFIGS, FP8_TABLE
+#      -> $OUTDIR/kernels-fp8-sweep-$SLUG.json,
 #   6. the end-to-end rows on the llama3-8b shape, same run: bf16, w8a8-online (int8 per-channel weights, dynamic
 #      per-token activations, quantized on load: the `w8a8` scheme without a 16 GB conversion) and fp8 (dynamic,
 #      quantized on load), no eager columns, LQE_W8A8_REQUESTS (32) requests -> $OUTDIR/e2e-$SLUG.json (~3 min).
@@ -46,8 +48,8 @@ if ! skip kernels; then
 fi
 
 if [[ "${LQE_W8A8_SWEEP:-0}" == 1 ]] && ! skip sweep; then
-  echo "== GEMV / int8 tile-config sweep"
-  timeout "$(budget "${LQE_SWEEP_TIMEOUT:-150}")" python benchmarks/kernels.py --w8a8-sweep --m 1 16 --shapes 4096x6144 14336x4096 \
+  echo "== GEMV / int8 tile-config sweep (M = ${LQE_W8A8_SWEEP_MS:=1 16})"
+  timeout "$(budget "${LQE_SWEEP_TIMEOUT:-150}")" python benchmarks/kernels.py --w8a8-sweep --m $LQE_W8A8_SWEEP_MS --shapes 4096x6144 14336x4096 \
     --out "$OUTDIR/kernels-w8a8-sweep-$SLUG.json" > "$LOGDIR/w8a8-sweep.log" 2>&1
   src=$?
   grep -E "^# |^[A-Z_0-9]+ = \[|^    \(|^\]" "$LOGDIR/w8a8-sweep.log" | tail -60
@@ -56,8 +58,8 @@ if [[ "${LQE_W8A8_SWEEP:-0}" == 1 ]] && ! skip sweep; then
 fi
 
 if [[ "${LQE_FP8_SWEEP:-0}" == 1 ]] && ! skip sweep; then
-  echo "== fp8 GEMM / block-scaled / GEMV config sweep"
-  timeout "$(budget "${LQE_SWEEP_TIMEOUT:-150}")" python benchmarks/kernels.py --fp8-sweep --m 1 16 256 --shapes 4096x6144 14336x4096 \
+  echo "== fp8 GEMM / block-scaled / GEMV config sweep (M = ${LQE_FP8_SWEEP_MS:=1 16 256})"
+  timeout "$(budget "${LQE_SWEEP_TIMEOUT:-150}")" python benchmarks/kernels.py --fp8-sweep --m $LQE_FP8_SWEEP_MS --shapes 4096x6144 14336x4096 \
     --out "$OUTDIR/kernels-fp8-sweep-$SLUG.json" > "$LOGDIR/fp8-sweep.log" 2>&1
   frc=$?
   grep -E "^# |^[A-Z_0-9]+ = \[|^    \(|^\]" "$LOGDIR/fp8-sweep.log" | tail -60
