@@ -1,7 +1,8 @@
 """End-to-end GPU benchmark (issue 7): random-weight models shaped like real ones, bf16 / W4A16 / W8A8.
 
 Variants: ``bf16``; ``w4a16`` (GPTQ W4 g128 on ``dispatch.WNA16_TABLE``) and ``w4a16-mma`` (the same checkpoint on
-``dispatch.WNA16_MMA_TABLE``: the lqe-w4a16-mma GEMM, issue 24), ``w4a16-swap`` (the same on ``WNA16_SWAP_TABLE``: the
+``dispatch.WNA16_MMA_TABLE``: the lqe-w4a16-mma GEMM, issue 24; ``w4a16-mma-k2``: on ``WNA16_MMA_K2_TABLE``, its
+8-warp k-split kernel), ``w4a16-swap`` (the same on ``WNA16_SWAP_TABLE``: the
 swapped-operand Triton GEMM), ``w4a16-ring`` (the same on ``WNA16_RING_TABLE``: the CUDA GEMV's cp.async ring at
 M <= 16); ``bf16-pdl`` / ``w4a16-pdl`` / ``w4a16-ring-pdl`` / ``w8a8-pdl`` / ``fp8-pdl`` (those with programmatic
 dependent launch, ``LQE_PDL=1``: the default on sm_90+) and ``bf16-nopdl`` / ``w4a16-nopdl`` / ``w8a8-nopdl`` /
@@ -95,13 +96,15 @@ SHAPES = {  # HF config fields of the real models; weights are random
                                    num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0,
                                    max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True)),
 }
-VARIANTS = {"bf16": None, "w4a16": "gptq", "w4a16-mma": "gptq", "w4a16-swap": "gptq", "w4a16-ring": "gptq",
+VARIANTS = {"bf16": None, "w4a16": "gptq", "w4a16-mma": "gptq", "w4a16-mma-k2": "gptq", "w4a16-swap": "gptq",
+            "w4a16-ring": "gptq",
             "w8a8": "w8a8", "w8a8-online": "online:int8", "fp8": "online:fp8"}  # variant -> tools.convert --format
 # ("online:<kind>": the bf16 checkpoint loaded with quantization=<kind>: per-channel weights, dynamic per-token
 # activations, quantized at load time; issue 25)
-# the w4a16 checkpoint on a candidate table (issue 24): dispatch.WNA16_MMA_TABLE / WNA16_SWAP_TABLE
-VARIANT_ENV = {"w4a16-mma": {"LQE_WNA16_TABLE": "mma"}, "w4a16-swap": {"LQE_WNA16_TABLE": "swap"},
-               "w4a16-ring": {"LQE_WNA16_TABLE": "ring"}}
+# the w4a16 checkpoint on a candidate table (issue 24): dispatch.WNA16_MMA_TABLE / WNA16_MMA_K2_TABLE /
+# WNA16_SWAP_TABLE / WNA16_RING_TABLE
+VARIANT_ENV = {"w4a16-mma": {"LQE_WNA16_TABLE": "mma"}, "w4a16-mma-k2": {"LQE_WNA16_TABLE": "mma-k2"},
+               "w4a16-swap": {"LQE_WNA16_TABLE": "swap"}, "w4a16-ring": {"LQE_WNA16_TABLE": "ring"}}
 # a variant with programmatic dependent launch (-pdl: LQE_PDL=1, sm_90+: the CUDA GEMV and the Triton kernels of a
 # decode step; lqe.kernels.device_info.pdl_enabled) or without it (-nopdl: LQE_PDL=0): bf16 (its Triton kernels;
 # cuBLAS keeps the plain order), w4a16 on the default / ring table, w8a8, fp8. PDL is the default on sm_90+ since
@@ -556,7 +559,8 @@ def check_table_honoured(kernels: str) -> None:
     from lqe.kernels.device_info import pdl_enabled
 
     table = os.environ.get("LQE_WNA16_TABLE", "")
-    want = {"mma": "lqe-w4a16-mma (", "swap": "triton-wna16-swap", "ring": "lqe-wna16-ring"}.get(table)
+    want = {"mma": "lqe-w4a16-mma (", "mma-k2": ": lqe-w4a16-mma-k2", "swap": "triton-wna16-swap",
+            "ring": "lqe-wna16-ring"}.get(table)
     if want and want not in kernels:
         raise RuntimeError(f"LQE_WNA16_TABLE={table}: no layer runs {want.rstrip(' (')}; the layers run: "
                            f"{kernels[:400]}")

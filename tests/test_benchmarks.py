@@ -200,8 +200,11 @@ def test_e2e_gpu_variant_env_is_scoped(monkeypatch):
     with e2e_gpu.variant_env("w4a16-ring"):
         assert gemm.active_table() is dispatch.WNA16_RING_TABLE
     assert e2e_gpu.VARIANTS["w4a16-ring"] == "gptq"
+    with e2e_gpu.variant_env("w4a16-mma-k2"):  # the mma table on the 8-warp k-split GEMM
+        assert gemm.active_table() is dispatch.WNA16_MMA_K2_TABLE and gemm.table_uses_mma()
+    assert e2e_gpu.VARIANTS["w4a16-mma-k2"] == "gptq"
     monkeypatch.setenv("LQE_WNA16_TABLE", "fastest")
-    with pytest.raises(ValueError, match="'mma'.*'swap'"):
+    with pytest.raises(ValueError, match="'mma'.*'mma-k2'.*'swap'"):
         gemm.active_table()
 
 

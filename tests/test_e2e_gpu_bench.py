@@ -288,6 +288,10 @@ def test_a_table_variant_refuses_layers_that_fell_back(monkeypatch):
         e2e_gpu.check_table_honoured(mma_desc)
         with pytest.raises(RuntimeError, match="LQE_WNA16_TABLE=mma: no layer runs lqe-w4a16-mma; the layers run: 224"):
             e2e_gpu.check_table_honoured(wna_desc)
+    with e2e_gpu.variant_env("w4a16-mma-k2"):  # its layers' table rows name the k2 GEMM, not the 4-warp one
+        with pytest.raises(RuntimeError, match="mma-k2"):
+            e2e_gpu.check_table_honoured(mma_desc)
+        e2e_gpu.check_table_honoured(mma_desc.replace("M<=256: lqe-w4a16-mma)", "M<=256: lqe-w4a16-mma-k2)"))
     with e2e_gpu.variant_env("w4a16-swap"):
         with pytest.raises(RuntimeError, match="swap"):
             e2e_gpu.check_table_honoured(wna_desc)

@@ -104,6 +104,12 @@ WNA16_MMA_TABLE: list[tuple[int | None, str]] = [
     (64, "lqe-w4a16-mma"),
     (None, "lqe-w4a16-mma-dequant+cublas"),
 ]
+# The same table on the 8-warp k-split GEMM (candidate, not measured): LQE_WNA16_TABLE=mma-k2, e2e variant
+# w4a16-mma-k2, so a model can run it before a measurement puts it in WNA16_MMA_TABLE (per M, as the sweep implies).
+WNA16_MMA_K2_TABLE: list[tuple[int | None, str]] = [
+    (64, "lqe-w4a16-mma-k2"),
+    (None, "lqe-w4a16-mma-dequant+cublas"),
+]
 
 # ------------------------------------------------------------------------------------------------ W8A8 int8 / FP8
 # (owned by the W8A8 kernel work: lqe/kernels/w8a8.py and friends)

@@ -127,18 +127,19 @@ def triton_reason(device: torch.device | str) -> str | None:
 
 
 _MMA_DECLINED: set[str] = set()  # reasons already logged by select_w4a16_kernel
-_TABLES = {"": "WNA16_TABLE", "default": "WNA16_TABLE", "mma": "WNA16_MMA_TABLE", "swap": "WNA16_SWAP_TABLE",
-           "ring": "WNA16_RING_TABLE"}
+_TABLES = {"": "WNA16_TABLE", "default": "WNA16_TABLE", "mma": "WNA16_MMA_TABLE", "mma-k2": "WNA16_MMA_K2_TABLE",
+           "swap": "WNA16_SWAP_TABLE", "ring": "WNA16_RING_TABLE"}
 
 
 def active_table() -> list[tuple[int | None, str]]:
-    """``dispatch.WNA16_TABLE``, or the candidate ``dispatch.WNA16_MMA_TABLE`` / ``WNA16_SWAP_TABLE`` /
-    ``WNA16_RING_TABLE`` when ``LQE_WNA16_TABLE`` is ``mma`` / ``swap`` / ``ring`` (the e2e benchmark's variants,
-    before a measurement makes one the default)."""
+    """``dispatch.WNA16_TABLE``, or the candidate ``dispatch.WNA16_MMA_TABLE`` / ``WNA16_MMA_K2_TABLE`` /
+    ``WNA16_SWAP_TABLE`` / ``WNA16_RING_TABLE`` when ``LQE_WNA16_TABLE`` is ``mma`` / ``mma-k2`` / ``swap`` / ``ring``
+    (the e2e benchmark's variants, before a measurement makes one the default)."""
     choice = os.environ.get("LQE_WNA16_TABLE", "").strip().lower()
     if choice not in _TABLES:
-        raise ValueError(f"LQE_WNA16_TABLE={choice!r}: use 'mma' (dispatch.WNA16_MMA_TABLE), 'swap' "
-                         "(dispatch.WNA16_SWAP_TABLE), 'ring' (dispatch.WNA16_RING_TABLE) or leave it unset")
+        raise ValueError(f"LQE_WNA16_TABLE={choice!r}: use 'mma' (dispatch.WNA16_MMA_TABLE), 'mma-k2' "
+                         "(dispatch.WNA16_MMA_K2_TABLE), 'swap' (dispatch.WNA16_SWAP_TABLE), 'ring' "
+                         "(dispatch.WNA16_RING_TABLE) or leave it unset")
     return getattr(dispatch, _TABLES[choice])
 
 

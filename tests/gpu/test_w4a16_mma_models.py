@@ -30,8 +30,8 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 
 
 # LQE_WNA16_TABLE -> words every quantized layer's path description holds (the layout its layers are repacked into)
-TABLES = {"mma": "lqe-w4a16-mma (", "swap": ": triton-wna16-swap",  # (swap / ring: a row of the table it names)
-          "ring": ": lqe-wna16-ring"}
+TABLES = {"mma": "lqe-w4a16-mma (", "swap": ": triton-wna16-swap",  # (swap / ring / mma-k2: a row of the table)
+          "ring": ": lqe-wna16-ring", "mma-k2": ": lqe-w4a16-mma-k2"}
 # the tables whose layers are repacked into the wna16 layout, which refuses K or N not a multiple of 64
 WNA16_LAYOUT_TABLES = {"swap", "ring"}
 
