@@ -31,7 +31,9 @@ Per (model shape, variant) it measures, through the public API (``LLM.generate``
 * ``gpu_ms_step_bs1``: GPU time of one batch-1 decode step (its CUDA graph replayed back to back, 256 cached
   tokens), and ``gpu_busy_bs1`` = that time x ``decode_tok_s_bs1`` / 1000: the fraction of a step the GPU works;
 * ``host_ms_step_bs1``: wall time of ``LLMEngine.step()`` minus the time it waits for the GPU (scheduling, input
-  building, sampling bookkeeping, output processing), over 64 batch-1 decode steps;
+  building, sampling bookkeeping, output processing), over 64 batch-1 decode steps, and ``graph_launch_ms_step_bs1``
+  the part of it spent inside the decode graph's ``replay()`` (the driver's launch of the graph: at af342f8 the H200
+  gave bf16 1.07 ms of host time per step with PDL against 0.32 without, which PDL's kernels alone do not explain);
 * the same decode columns with ``_eager`` appended: the engine with ``enforce_eager=True`` (no CUDA graphs), in
   the same run, so the graphs' gain is one division away (skipped with ``--no-eager``);
 * ``phase_s``: wall seconds per phase of the variant (load, warm-up, decode, ttft, throughput, kernel_busy, and the
@@ -472,22 +474,26 @@ def decode_weight_bytes(llm) -> int:
     return total
 
 
-def host_ms_per_step(llm, sp_cls, vocab: int, rng: random.Random, steps: int = 64) -> float:
-    """Wall time of ``step()`` minus its wait for the GPU, per batch-1 decode step."""
+def host_ms_per_step(llm, sp_cls, vocab: int, rng: random.Random, steps: int = 64) -> tuple[float, float | None]:
+    """``(host ms, graph-launch ms)`` per batch-1 decode step: wall time of ``step()`` minus its wait for the GPU,
+    and the part of it inside the decode graph's ``replay()`` (None without decode graphs)."""
     engine = llm.llm_engine
     engine.add_request("host-time", _prompts(rng, 1, 128, vocab)[0],
                        sp_cls(max_tokens=steps + 2, ignore_eos=True, temperature=0))
     engine.step()  # prefill
     runner = engine.runner
+    graphs = getattr(runner, "graph_runner", None)
+    launch0 = graphs.launch_s if graphs is not None else 0.0
     runner.measure_gpu_wait, runner.gpu_wait_s = True, 0.0
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
     wall = time.perf_counter() - t0
     runner.measure_gpu_wait = False
+    launch = (graphs.launch_s - launch0) / steps * 1e3 if graphs is not None else None
     while engine.has_unfinished():
         engine.step()
-    return (wall - runner.gpu_wait_s) / steps * 1e3
+    return (wall - runner.gpu_wait_s) / steps * 1e3, launch
 
 
 def _llm(model_dir: Path, args, eager: bool):
@@ -534,8 +540,11 @@ def _decode_columns(llm, args, vocab: int, suffix: str, phases: Phases | None = 
                                     f"{counts[-1] if counts else 0} tokens)")
     n = 256 if not suffix else 64  # the eager engine is ~10x slower: fewer tokens give the same rate
     row = {f"decode_tok_s_bs1{suffix}": decode_tok_s(llm, SamplingParams, 1, vocab, rng, n),
-           f"decode_tok_s_bs16{suffix}": decode_tok_s(llm, SamplingParams, 16, vocab, rng, n),
-           f"host_ms_step_bs1{suffix}": host_ms_per_step(llm, SamplingParams, vocab, rng)}
+           f"decode_tok_s_bs16{suffix}": decode_tok_s(llm, SamplingParams, 16, vocab, rng, n)}
+    host, launch = host_ms_per_step(llm, SamplingParams, vocab, rng)
+    row[f"host_ms_step_bs1{suffix}"] = host
+    if launch is not None:  # (graphs only: the eager engine launches no graph)
+        row[f"graph_launch_ms_step_bs1{suffix}"] = launch
     phases.mark(f"decode{suffix}")
     return row
 

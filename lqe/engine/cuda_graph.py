@@ -66,6 +66,7 @@ class CudaGraphRunner:
         self.capture_stream: torch.cuda.Stream | None = None  # the stream the graphs were captured on (piecewise too)
         self.capture_seconds = 0.0
         self.pool_bytes = 0
+        self.launch_s = 0.0  # host seconds inside the decode graphs' replay() (the driver's launch of the graph)
 
     def _meta(self, b: int, lay: StepLayout) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         ids, pos, slots, qsl, lens, tables, _ = views(self.inputs.device_buf, lay)
@@ -152,7 +153,9 @@ class CudaGraphRunner:
         return self.logits[:b]
 
     def _replay(self, bucket: int, lay: StepLayout) -> None:
+        t0 = time.perf_counter()
         self.graphs[bucket].replay()
+        self.launch_s += time.perf_counter() - t0
 
 
 class EagerPaddedRunner(CudaGraphRunner):

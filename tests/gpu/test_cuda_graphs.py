@@ -42,7 +42,9 @@ def _run(model_dir: str, eager: bool) -> tuple[list, list, dict]:
              for p, sp in zip(prompts[:NUM_ALONE], params[:NUM_ALONE])]
     batched = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     stats = {"preemptions": llm.llm_engine.scheduler.num_preemptions, "replays": replays,
-             "free_blocks": llm.llm_engine.block_manager.num_free_blocks}
+             "free_blocks": llm.llm_engine.block_manager.num_free_blocks,
+             # host seconds inside the graphs' replay() (e2e_gpu's graph_launch_ms_step_bs1)
+             "launch_s": None if eager else runner.graph_runner.launch_s}
     del llm, runner
     release_memory()
     return alone, batched, stats
@@ -59,5 +61,6 @@ def test_graphs_equal_eager(name, checkpoints):
     assert counts["exact"] >= len(e_batched) // 2, counts
     # buckets 1, 2 and 4 ran (3 sequences pad to 4), so padding rows ran; the small cache keeps the batch below 8
     assert {1, 2, 4} <= set(g["replays"]), sorted(set(g["replays"]))
+    assert 0 < g["launch_s"] < 60 and e["launch_s"] is None, (g["launch_s"], e["launch_s"])
     assert g["preemptions"] > 0 and e["preemptions"] > 0, (g["preemptions"], e["preemptions"])
     assert g["free_blocks"] == e["free_blocks"] == ENGINE["num_kv_blocks"]
