@@ -16,8 +16,9 @@
 #      in the same run, no eager columns, LQE_W4A16_REQUESTS (default 32) requests -> $OUTDIR/e2e-<gpu>.json, rows
 #      saved variant by variant. LQE_W4A16_VARIANTS adds w4a16-mma / w4a16-mma-k2 / w4a16-swap / w4a16-ring (the same
 #      checkpoint on dispatch.WNA16_MMA_TABLE / WNA16_MMA_K2_TABLE / WNA16_SWAP_TABLE / WNA16_RING_TABLE) and
-#      w4a16-nopdl (LQE_PDL=0: without programmatic dependent launch, the default on sm_90+; each ~1 min more). A 16 GB checkpoint is built first on
-#      a fresh machine, so this is a call of its own (the last step: its limit is what is left of the budget):
+#      w4a16-nopdl (LQE_PDL=0: without programmatic dependent launch, the default on sm_90+; each ~1 min more). A
+#      16 GB checkpoint is built first on a fresh machine, so this is a call of its own (the last step: its limit is
+#      what is left of the budget):
 #      LQE_SKIP="tests sweep" bash benchmarks/run_gpu.sh --w4a16
 # then $OUTDIR/w4a16-stage-<gpu>.json (exit codes, seconds). Time limits (s): LQE_TEST_TIMEOUT (240),
 # LQE_KERNELS_TIMEOUT (280), LQE_E2E_TIMEOUT (560), all cut to the stage budget LQE_BUDGET_S (570).
