@@ -13,10 +13,12 @@ import math
 
 import torch
 
+from kernels_w8a8 import WNA16_MMA_KERNEL_ROWS
 from lqe.kernels.device_info import pdl_supported
 
-# (lqe-w4a16-mma-k2: the mma GEMM with 8 warps per block splitting each k-tile, gemm_mma.MMA_K2_KERNEL)
-MMA_ROWS = ("lqe-w4a16-mma", "lqe-w4a16-mma-k2", "lqe-w4a16-mma-dequant+cublas")
+# the mma layout's rows, as the table it implies reads them (lqe-w4a16-mma-k2: the mma GEMM with 8 warps per block
+# splitting each k-tile, gemm_mma.MMA_K2_KERNEL)
+MMA_ROWS = WNA16_MMA_KERNEL_ROWS
 # The CUDA GEMV rows are timed at M <= 16 only, each without PDL unless its name ends in -pdl (whatever LQE_PDL says):
 # its default split-K ("lqe-w4a16-fused") and fewer / more split-K blocks (-t2 / -t8),
 FUSED_ROW = "lqe-w4a16-fused"

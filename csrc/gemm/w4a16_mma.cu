@@ -477,12 +477,13 @@ __global__ void __launch_bounds__(threads_of<KW>(), 1) w4a16_mma_kernel(const Mm
   cp_wait<0>();
 }
 
+constexpr int kMaxDevices = 64;  // devices whose per-device launch state below is kept (others ask every time)
+
 // The dynamic shared-memory opt-in is a per-device function attribute: set once per device and instantiation, not
 // on every launch (a decode step makes ~200 of them).
 template <typename T, int BITS, int MB, bool G64, int KW = 1>
 cudaError_t run(const MmaArgs& a, int grid, cudaStream_t st) {
   constexpr int smem = Smem<BITS, MB, G64, KW>::kTotal;
-  constexpr int kMaxDevices = 64;
   static std::atomic<bool> opted_in[kMaxDevices];
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
@@ -497,16 +498,24 @@ cudaError_t run(const MmaArgs& a, int grid, cudaStream_t st) {
   return cudaGetLastError();
 }
 
+// The current device's opt-in shared memory per block in bytes (0 when the runtime cannot say), asked once per
+// device: the launcher reads it on every call.
+int optin_smem() {
+  static std::atomic<int> known[kMaxDevices];  // 0: not asked yet
+  int dev = 0, optin = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+  if (dev < kMaxDevices && (optin = known[dev].load(std::memory_order_relaxed)) > 0) return optin;
+  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) return 0;
+  if (dev < kMaxDevices) known[dev].store(optin, std::memory_order_relaxed);
+  return optin;
+}
+
 // Whether the device's opt-in shared memory per block holds the 8-warp kernel's ring and hand-over buffer (4-bit
 // M <= 16: 104 KB, more than sm_86 / sm_89 give; 8-bit 64 rows: 164 KB, more than an A100's 163); where it does not,
 // the 4-warp kernel runs.
 template <int BITS, int MB>
 bool k2_fits() {
-  int dev = 0, optin = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
-    return false;
-  return Smem<BITS, MB, true, 2>::kTotal <= optin;
+  return Smem<BITS, MB, true, 2>::kTotal <= optin_smem();
 }
 
 // MB m16 tiles; k2: the 8-warp k-split kernel where it applies (G64, and its shared memory fits)
@@ -535,10 +544,7 @@ cudaError_t run_rows(const MmaArgs& a, int grid, int mb_max, bool g64, bool k2, 
 // 8-bit weights with 64 rows need 112 KB, more than sm_86 / sm_89 give (99 KB); they run 32-row problems there.
 template <int BITS>
 int max_row_tiles() {
-  int dev = 0, optin = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
-    return 1;
+  const int optin = optin_smem();  // (0 when unknown: 1)
   // (the per-slab kernels' rings are the larger: what fits for them fits for G64; G64 at MB = 1 takes <= 88 KB)
   static_assert(Smem<BITS, 4, true>::kTotal <= Smem<BITS, 4, false>::kTotal &&
                 Smem<BITS, 2, true>::kTotal <= Smem<BITS, 2, false>::kTotal && Smem<BITS, 1, true>::kTotal <= 88 * 1024,
