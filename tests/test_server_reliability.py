@@ -236,6 +236,22 @@ def test_request_timeout_and_graceful_shutdown(tiny_llama_dir):
         assert engine.engine.block_manager.num_free_blocks == 32
 
 
+def test_server_freezes_the_startup_heap_while_it_serves(tiny_llama_dir):
+    """What is alive when the server starts (the model, torch, pytest's own objects here) is out of the collector's
+    reach while it serves, so a full collection does not stall streams (test_big_prompts_do_not_stall_a_stream);
+    shutdown hands it back, so a process that goes on collects it again."""
+    import gc
+
+    marker = [object()]  # tracked by the collector, alive across the server's startup
+    with serve(tiny_llama_dir, num_kv_blocks=32) as (url, _, _):
+        assert gc.get_freeze_count() > 0
+        assert not any(o is marker for o in gc.get_objects(generation=2))  # moved to the permanent generation
+        assert _post(url, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2}).status_code == 200
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert any(o is marker for o in gc.get_objects(generation=2))
+
+
 def test_non_finite_logits_fail_the_request_with_500(srv):
     url, engine, _ = srv
     model = engine.engine.runner.model

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import secrets
@@ -216,18 +217,33 @@ def build_engine(args: argparse.Namespace) -> AsyncEngine:
 
 class GracefulServer:
     """uvicorn.Server whose shutdown (SIGTERM, Ctrl-C, ``should_exit``) first gives in-flight requests
-    ``grace_s`` seconds, then aborts the rest with an error that says so (logged with their ids)."""
+    ``grace_s`` seconds, then aborts the rest with an error that says so (logged with their ids).
+
+    At startup it freezes the heap (``gc.freeze()``, as vLLM does after loading): what is alive then (torch,
+    transformers, the tokenizer, the model: about half a million objects) moves to the collector's permanent
+    generation, which a full collection does not walk. Without it a full collection, which a few large requests'
+    allocations can trigger, held the GIL for 0.25-0.36 s on 2 CPU cores and stalled every stream for that long
+    (``tests/stress/test_stress_server.py::test_big_prompts_do_not_stall_a_stream``). Shutdown unfreezes, so a
+    process that goes on (tests, an application embedding the server) collects those objects again."""
 
     def __new__(cls, config, engine: AsyncEngine, grace_s: float):
         import uvicorn
 
         class _Server(uvicorn.Server):
+            async def startup(self, sockets=None):
+                gc.collect()  # garbage of the load goes now, not into the permanent generation
+                gc.freeze()
+                await super().startup(sockets)
+                if self.should_exit:  # startup failed (the port taken, ...): serve() returns without shutdown()
+                    gc.unfreeze()
+
             async def shutdown(self, sockets=None):
                 drain = asyncio.ensure_future(engine.drain(grace_s))
                 try:
                     await super().shutdown(sockets)
                 finally:
                     drain.cancel()
+                    gc.unfreeze()
 
         config.timeout_graceful_shutdown = grace_s + 5  # backstop: connections still open then are cut
         return _Server(config)
