@@ -51,3 +51,32 @@ def test_rtn_w4_smollm2_is_sensible_and_batch_invariant(tmp_path):
     batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS[:2]]
     assert batched[:2] == alone
+
+
+def test_demo_model_is_built_once_by_concurrent_first_uses(tmp_path, monkeypatch):
+    """Two first uses at once (a server and its client, parallel test workers) build the demo model once: the
+    second waits for the first's build and loads it, instead of replacing the directory under it."""
+    import os
+    import threading
+    import time
+
+    from lqe.loaders import model_source
+
+    builds = []
+
+    def slow_convert(gguf_dir, gguf_file, out):
+        builds.append(out)
+        time.sleep(0.3)  # long enough for the other thread to arrive mid-build
+        os.makedirs(out)
+        open(os.path.join(out, ".complete"), "w").close()
+
+    monkeypatch.setenv("LQE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(model_source, "convert_gguf", slow_convert)
+    got: list[str] = []
+    threads = [threading.Thread(target=lambda: got.append(model_source.demo_model_dir())) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(builds) == 1 and got == [builds[0]] * 2
+    assert os.path.isfile(os.path.join(builds[0], ".complete"))

