@@ -114,7 +114,27 @@ if [[ "$1 $2" == "-m pytest" ]]; then
 fi
 exit 0
 """
-SITECUSTOMIZE = "import torch\ntorch.cuda.get_device_name = lambda *a, **k: 'Stub GPU'\n"
+# torch.cuda names the stub device, patched when a script imports torch (not at every start: importing torch takes
+# 2-4 s on a 2-core machine, and most of the scripts' `python -` summaries never do).
+SITECUSTOMIZE = """
+import importlib.abc, importlib.util, sys
+
+class _StubDeviceName(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec("torch")
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            module.cuda.get_device_name = lambda *a, **k: "Stub GPU"
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, _StubDeviceName())
+"""
 
 
 def _dry_run(tmp_path: Path, args: list[str], *, command: str | None = None,
