@@ -82,16 +82,27 @@ def test_prompt_logprobs_step_is_not_graphable():
     assert not graphable(SchedulerOutput([ScheduledSeq(s, 2, 1)]))
 
 
+PADDED_KW = dict(kv_cache_memory_bytes=64 << 20, max_model_len=256, enable_prefix_caching=True, max_num_seqs=6,
+                 max_cudagraph_batch=5)
+
+
+@pytest.fixture(scope="module")
+def padded_workload_alone(tiny_llama_dir):
+    """The 14 requests of the padded-path tests and the tokens each gets alone on the eager path (computed once
+    for both parametrizations)."""
+    prompts, params = mixed_workload(14)
+    eager = LLM(tiny_llama_dir, **PADDED_KW)
+    alone = [eager.generate([p], [sp], use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    eager.shutdown()
+    return prompts, params, alone
+
+
 @pytest.mark.parametrize("num_kv_blocks", [None, 16])
-def test_padded_decode_path_equals_eager(tiny_llama_dir, num_kv_blocks):
+def test_padded_decode_path_equals_eager(tiny_llama_dir, padded_workload_alone, num_kv_blocks):
     """Batched generation with decode steps on the padded-bucket path (prefix caching on; preemption forced by a
     16-block cache) gives every request the tokens it gets alone on the eager path."""
-    prompts, params = mixed_workload(14)
-    kw = dict(kv_cache_memory_bytes=64 << 20, max_model_len=256, enable_prefix_caching=True, max_num_seqs=6,
-              max_cudagraph_batch=5)
-    eager = LLM(tiny_llama_dir, **kw)
-    alone = [eager.generate([p], [sp], use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
-    llm = LLM(tiny_llama_dir, **kw, **({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {}))
+    prompts, params, alone = padded_workload_alone
+    llm = LLM(tiny_llama_dir, **PADDED_KW, **({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {}))
     runner = llm.llm_engine.runner
     runner.capture_cuda_graphs(EagerPaddedRunner)
     assert runner.graph_runner.buckets == [1, 2, 4, 5]
