@@ -71,9 +71,9 @@ def demo_model_dir() -> str:
     from filelock import FileLock
 
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    # Two processes that start at once on a fresh machine (a server and its client, parallel test workers) build it
-    # once: the second waits here, then finds it complete. Without the lock the second's build replaced the
-    # directory while the first was loading from it.
+    # Two processes that start at once on a fresh machine (a server and a script started beside it) build it once:
+    # the second waits here, then finds it complete. Without the lock both converted it, and the later one's
+    # rmtree + os.replace in convert_gguf could remove the directory under the earlier one's load.
     with FileLock(out + ".lock"):
         if os.path.isfile(os.path.join(out, ".complete")):
             return out
