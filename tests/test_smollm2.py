@@ -54,7 +54,7 @@ def test_rtn_w4_smollm2_is_sensible_and_batch_invariant(tmp_path):
 
 
 def test_demo_model_is_built_once_by_concurrent_first_uses(tmp_path, monkeypatch):
-    """Two first uses at once (a server and its client, parallel test workers) build the demo model once: the
+    """Two first uses at once (a server and a script started beside it) build the demo model once: the
     second waits for the first's build and loads it, instead of replacing the directory under it."""
     import os
     import threading
