@@ -138,8 +138,10 @@ _PROBE = textwrap.dedent("""
 """)
 
 
-def test_gpu_test_modules_import_and_build_with_only_the_gpu_packages():
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+def test_gpu_test_modules_import_and_build_with_only_the_gpu_packages(tmp_path):
+    # (TMPDIR: the probe's mkdtemp checkpoints, 12 directories and ~800 MB a run, land in pytest's tmp_path, which
+    # pytest prunes; in /tmp they were never removed and filled this machine's disk over many runs)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"TMPDIR": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps([ALLOWED, TESTS, GPU_DIR])], capture_output=True,
                           text=True, env=env, timeout=300)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")]
