@@ -182,3 +182,47 @@ def test_random_reader_draws_on_the_gpu_and_calibrates_from_it(tmp_path):
                                  overwrite=True, input_ids=ids, reader=reader)
     assert sorted(os.listdir(cfg_dir)) == ["config.json"] and len(res.layer_seconds) == config.num_hidden_layers
     assert 0 < statistics.mean(res.layer_errors) < 1
+
+
+# fp32 matmuls of a TF32 process: (A @ B) against fp64, as mean |error| over mean |A @ B|. TF32 rounds each input to
+# 10 mantissa bits (~3e-4 relative); IEEE fp32 accumulation over K = 1024 stays near 1e-6. The bound sits between.
+TF32_GUARD = """
+import sys, torch
+from tools.convert.streaming import fp32_matmuls
+if sys.argv[1] == "legacy":
+    torch.set_float32_matmul_precision("high")
+else:
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+g = torch.Generator(device="cuda").manual_seed(0)
+a = torch.randn(512, 1024, device="cuda", generator=g)
+b = torch.randn(1024, 512, device="cuda", generator=g)
+ref = a.double() @ b.double()
+def err():
+    return ((a @ b).double() - ref).abs().mean().item() / ref.abs().mean().item()
+outside = err()
+with fp32_matmuls():
+    inside = err()
+after = err()
+print(f"outside {outside:.2e} inside {inside:.2e} after {after:.2e}")
+"""
+
+
+@pytest.mark.parametrize("api", ["legacy", "new"])
+def test_fp32_matmuls_turns_tf32_off_on_cuda(api):
+    """Calibration's Hessians are fp32 sums: inside ``fp32_matmuls`` a CUDA matmul of a process that chose TF32 (by
+    either torch API) is IEEE fp32, and TF32 is back after it. Run in a fresh interpreter: the API state is
+    process-wide."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", TF32_GUARD, api], capture_output=True, text=True, cwd=str(repo),
+                          env=dict(os.environ, PYTHONPATH=str(repo)), timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    words = proc.stdout.split()
+    outside, inside, after = (float(words[i]) for i in (1, 3, 5))
+    bound = 3e-5
+    assert outside > bound and after > bound, proc.stdout  # TF32 was on, so the check below can fail
+    assert inside < bound, proc.stdout
+
