@@ -189,8 +189,8 @@ def test_fp32_matmuls_guard_under_both_precision_apis():
     """The settings side, in a fresh interpreter (the APIs' state is process-wide). The GPU machine's torch (2.11)
     checks the numbers: tests/gpu/test_calibration_gpu.py::test_fp32_matmuls_turns_tf32_off_on_cuda."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-c", GUARD], capture_output=True, text=True, env=env, cwd=str(REPO), timeout=120,
-                          check=False)
+    proc = subprocess.run([sys.executable, "-c", GUARD], capture_output=True, text=True, env=env, cwd=str(REPO),
+                          timeout=120, check=False)
     assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout + proc.stderr[-3000:]
 
 
