@@ -9,6 +9,9 @@ import gc
 import json
 import os
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -213,10 +216,6 @@ def test_fp32_matmuls_turns_tf32_off_on_cuda(api):
     """Calibration's Hessians are fp32 sums: inside ``fp32_matmuls`` a CUDA matmul of a process that chose TF32 (by
     either torch API) is IEEE fp32, and TF32 is back after it. Run in a fresh interpreter: the API state is
     process-wide."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     repo = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "-c", TF32_GUARD, api], capture_output=True, text=True, cwd=str(repo),
                           env=dict(os.environ, PYTHONPATH=str(repo)), timeout=120, check=False)

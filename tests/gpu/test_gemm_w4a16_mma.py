@@ -176,7 +176,7 @@ def test_k2_matches_reference_every_format(m, sms, kind, dtype):
     cw = canonical(k, n, bits, gs, asym, act_order, seed=m + bits + gs)
     p = packed_on_gpu(cw, dtype)
     x = torch.randn(m, k, device="cuda", dtype=dtype)
-    bias = torch.randn(n, device="cuda", dtype=dtype) if m != 24 else None  # (M = 24: no bias)
+    bias = torch.randn(n, device="cuda", dtype=dtype) if m != 24 else None
     y = gemm.wna16_gemm(x, p, bias, path="lqe-w4a16-mma-k2", splits=sms)
     assert y.shape == (m, n) and y.dtype == dtype
     check(y, reference(x, p, bias), k)
