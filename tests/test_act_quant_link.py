@@ -133,8 +133,8 @@ def _want(schemes: list[str | None]) -> dict[str, str]:
     ("fp8-block", ["fp8-per-group(128)"] * 3, "triton-fp8-block"),
     ("mixed", ["fp8-per-token", "int8-per-token-sym", None], "torch._scaled_mm"),
 ])
-def test_fp8_pairs_linked_and_no_bit_changes(name, schemes, path, checkpoints, fake_fp8_gpu, fake_cuda_plan,
-                                             monkeypatch):
+def test_fp8_pairs_linked_and_no_bit_changes(name, schemes, path, checkpoints, fake_fp8_gpu, monkeypatch,
+                                             fake_cuda_plan):  # noqa: F811 -- a fixture, imported above
     llm = _load(checkpoints[name], monkeypatch, True, "bfloat16")
     runner = llm.llm_engine.runner
     model = runner.model

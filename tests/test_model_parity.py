@@ -1,6 +1,5 @@
 """The engine's logprobs equal HF transformers' in fp32 for tiny random Llama / Qwen2 / Qwen3 models."""
 import pytest
-import torch
 
 from helpers import build_tiny_model, hf_logprobs
 from lqe import LLM, SamplingParams

@@ -15,10 +15,13 @@ linear layer, and the layer asks :meth:`QuantConfig.get_linear_method`; ``None``
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from lqe.quant_layers.quantized_activation import ActQuant
 
 
 class LinearMethod(ABC):

@@ -11,7 +11,7 @@ from lqe import LLM, SamplingParams
 from lqe.quant_layers import reference as ref
 from lqe.quant_layers import resolve_quant_config
 from lqe.quant_layers.fp8_checkpoint import Fp8Config, OnlineQuantConfig
-from test_quant_models import FORMATS, LINEARS, PROMPT, _hf_w8a8_logprobs, _write
+from test_quant_models import FORMATS, PROMPT, _hf_w8a8_logprobs, _write
 
 FP8_MAX = 448.0
 
