@@ -104,7 +104,6 @@ def test_v1_zero_point_zero(tiny_llama_dir, tmp_path):
 
 
 def test_verify_flags_corruptions(fq, tmp_path):
-
     out = str(tmp_path / "out")
     sym = fake_quant_model(fq, str(tmp_path / "fqs"), 4, 32, True)[0]
     export_checkpoint(sym, out, "gptq", 4, 32, True)
@@ -125,7 +124,6 @@ def test_verify_flags_corruptions(fq, tmp_path):
 
 
 def test_verify_flags_v1_zero_field_and_gemv(fq, tmp_path):
-
     out = str(tmp_path / "out")
     export_checkpoint(fq, out, "gptq", 4, 32, False)
     st = os.path.join(out, "model.safetensors")
