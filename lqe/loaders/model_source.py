@@ -58,7 +58,8 @@ def _download(repo_id: str, revision: str | None) -> str:
 
 def demo_model_dir() -> str:
     out = os.path.join(cache_dir(), "models", DEMO_MODEL)
-    if os.path.isfile(os.path.join(out, ".complete")):
+    built = os.path.join(out, ".complete")  # written last by convert_gguf
+    if os.path.isfile(built):
         return out
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
@@ -75,7 +76,7 @@ def demo_model_dir() -> str:
     # the second waits here, then finds it complete. Without the lock both converted it, and the later one's
     # rmtree + os.replace in convert_gguf could remove the directory under the earlier one's load.
     with FileLock(out + ".lock"):
-        if os.path.isfile(os.path.join(out, ".complete")):
+        if os.path.isfile(built):
             return out
         print(f"[lqe] converting {DEMO_MODEL} from {_GGUF_FILE} to a safetensors checkpoint in {out} "
               "(first use only) ...", flush=True)
