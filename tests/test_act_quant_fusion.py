@@ -12,7 +12,6 @@
 """
 from __future__ import annotations
 
-import collections
 import importlib.util
 
 import pytest
@@ -184,39 +183,6 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
                 encode, qcfg = make()
                 dirs[f"{arch}-{name}"] = write_quantized_checkpoint(base, str(root / f"{arch}-{name}"), encode, qcfg)
     return dirs
-
-
-@pytest.fixture
-def fake_cuda_plan(monkeypatch):
-    """W8A8 layers on CPU get a kernel plan as on a GPU (``layer.w8a8_plan``, the ``_w8a8_cuda`` code path), whose
-    GEMM + epilogue runs in torch; counts the layer calls that received a pre-quantized input."""
-    import lqe.quant_layers.w8a8 as qw
-    from lqe.kernels import w8a8 as kw
-
-    def plan(w_nk, w_scale, dtype, asymmetric, table=None):
-        n, k = w_nk.shape
-        colsum = w_nk.to(torch.int32).sum(1, dtype=torch.int32) if asymmetric else None
-        scale = w_scale.float().reshape(-1).expand(n).contiguous()
-        return kw.W8A8Weights(w_nk.contiguous(), scale, colsum, None, ((None, "triton-w8a8"),), k, n), "fake plan"
-
-    def apply(xq, a_scale, wts, azp=None, bias=None, out_dtype=torch.bfloat16):
-        assert xq.dtype == torch.int8 and xq.shape[1] == wts.k
-        s_a = a_scale.reshape(-1, 1) if a_scale.numel() == xq.shape[0] else a_scale.reshape(-1)
-        zp = None if azp is None else azp.reshape(-1, 1) if azp.numel() == xq.shape[0] else azp.reshape(-1)
-        return ref.int8_gemm_ref(xq, wts.w_nk, s_a, wts.w_scale, zp, bias, out_dtype)
-
-    calls = collections.Counter()
-    real = qw.W8A8Int8Method._apply_quantized
-
-    def counted(self, layer, x, bias):
-        calls[layer.prefix.rsplit(".", 1)[-1]] += 1
-        return real(self, layer, x, bias)
-
-    monkeypatch.setattr(qw, "cuda_kernels_declined", lambda device: None)
-    monkeypatch.setattr(kw, "plan_w8a8", plan)
-    monkeypatch.setattr(kw, "w8a8_apply", apply)
-    monkeypatch.setattr(qw.W8A8Int8Method, "_apply_quantized", counted)
-    return calls
 
 
 def _load(model_dir: str, monkeypatch, fused: bool = True, dtype: str = "float32", **kwargs):

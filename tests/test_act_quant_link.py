@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "quant"))
 from helpers import build_tiny_model, write_quantized_checkpoint
 from lqe.quant_layers import reference as ref
 from qutil import build  # noqa: E402
-from test_act_quant_fusion import _load, _producers, _run, fake_cuda_plan  # noqa: E402, F401 -- a fixture
+from test_act_quant_fusion import _load, _producers, _run  # noqa: E402
 
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4, vocab_size=512,
              initializer_range=0.1)  # every fused shard and K a multiple of 128: block-scaled weights fit
@@ -133,8 +133,8 @@ def _want(schemes: list[str | None]) -> dict[str, str]:
     ("fp8-block", ["fp8-per-group(128)"] * 3, "triton-fp8-block"),
     ("mixed", ["fp8-per-token", "int8-per-token-sym", None], "torch._scaled_mm"),
 ])
-def test_fp8_pairs_linked_and_no_bit_changes(name, schemes, path, checkpoints, fake_fp8_gpu, monkeypatch,
-                                             fake_cuda_plan):  # noqa: F811 -- a fixture, imported above
+def test_fp8_pairs_linked_and_no_bit_changes(name, schemes, path, checkpoints, fake_fp8_gpu, fake_cuda_plan,
+                                             monkeypatch):
     llm = _load(checkpoints[name], monkeypatch, True, "bfloat16")
     runner = llm.llm_engine.runner
     model = runner.model
