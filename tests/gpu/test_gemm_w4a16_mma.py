@@ -167,8 +167,8 @@ def test_k2_matches_reference_every_format(m, sms, kind, dtype):
     warps, whose sums the lower ones take over through shared memory at every piece's end. One block (every piece
     of every column tile in one stripe: the hand-over buffer reused piece after piece), 5 (a k = 0 piece with one
     slot to add: the upper warps add none) and two per SM (up to 15 slots, split between the warp groups); one, two
-    and four m16 tiles (M = 1 / 24 / 64), odd K / N at M = 7 (a partial last k-tile); every format, deterministic.
-    Where it does not apply (g32) it is lqe-w4a16-mma, bit for bit."""
+    and four m16 tiles (M = 1 / 24 / 64; M = 24 without bias), odd K / N at M = 7 (a partial last k-tile); every
+    format, deterministic. Where it does not apply (g32) it is lqe-w4a16-mma, bit for bit."""
     _, bits, gs, asym, act_order = kind
     if sms == "2x":
         sms = 2 * torch.cuda.get_device_properties(0).multi_processor_count

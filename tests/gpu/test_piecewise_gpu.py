@@ -62,7 +62,7 @@ def _generate(model_dir: str, mode: str) -> tuple[list, dict, list[int]]:
         pw.run = lambda bucket, inp: (used.append(bucket), run(bucket, inp))[1]
     outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     stats = dict(runner.steps_by_path, preemptions=llm.llm_engine.scheduler.num_preemptions)
-    llm = runner = None  # rebound, not del: the closures above read them
+    llm = runner = None  # rebound, not del: eager_padded reads runner
     release_memory()
     return outs, stats, used
 
@@ -120,7 +120,7 @@ def test_mixed_steps_make_one_host_sync(checkpoints):
         torch.cuda.set_sync_debug_mode("default")
     assert syncs == 6
     assert runner.steps_by_path["piecewise"] - before["piecewise"] == 6, (before, runner.steps_by_path)
-    llm = engine = runner = None  # rebound, not del: mixed_steps reads them
+    llm = engine = runner = None  # rebound, not del: mixed_steps reads engine and runner
     release_memory()
 
 
