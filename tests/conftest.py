@@ -68,9 +68,8 @@ def fake_cuda_plan(monkeypatch):
 
     def apply(xq, a_scale, wts, azp=None, bias=None, out_dtype=torch.bfloat16):
         assert xq.dtype == torch.int8 and xq.shape[1] == wts.k
-        s_a = a_scale.reshape(-1, 1) if a_scale.numel() == xq.shape[0] else a_scale.reshape(-1)
-        zp = None if azp is None else azp.reshape(-1, 1) if azp.numel() == xq.shape[0] else azp.reshape(-1)
-        return ref.int8_gemm_ref(xq, wts.w_nk, s_a, wts.w_scale, zp, bias, out_dtype)
+        zp = None if azp is None else azp.reshape(-1, 1)  # per token [M] or per tensor: a column broadcasts both
+        return ref.int8_gemm_ref(xq, wts.w_nk, a_scale, wts.w_scale, zp, bias, out_dtype)
 
     calls = collections.Counter()
     real = qw.W8A8Int8Method._apply_quantized
