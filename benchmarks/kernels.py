@@ -712,7 +712,7 @@ def main(argv=None) -> int:
     def save(rows: list[dict], tables: dict | None = None, complete: bool = False) -> None:
         """Write what is measured so far (after every shape: a run cut by its time limit keeps its rows and the
         tables they imply so far). A ``--rows`` run keeps the file's rows it did not measure again."""
-        implied.update(tables or {})
+        implied.update({name: kw8.table_json(t) for name, t in (tables or {}).items()})
         new = {(r.get("kernel"), r.get("shape"), r.get("m")) for r in rows}
         old = [r for r in kept if (r["kernel"], r["shape"], r["m"]) not in new]
         path.write_text(json.dumps({"device": gpu, "env": env, "copy_gbps": round(copy_gbps, 1), "rows": old + rows,

@@ -310,6 +310,12 @@ def format_table(name: str, rows: list[tuple[int | None, object]]) -> str:
     return "\n".join(lines + ["]"])
 
 
+def table_json(rows: list[tuple[int | None, object]]) -> list[list]:
+    """A table as the results JSON keeps it (``implied_tables``): kernels by name, configs by the dataclass repr
+    :func:`format_table` prints to paste."""
+    return [[max_m, v if isinstance(v, str) else repr(v)] for max_m, v in rows]
+
+
 def print_sweep_tables(tables: dict[str, list], gpu: str, num_shapes: int, note: str = "") -> None:
     where = {"W8A8_TABLE": "lqe/kernels/dispatch.py", "FP8_TABLE": "lqe/kernels/dispatch.py"}
     for name, rows in tables.items():

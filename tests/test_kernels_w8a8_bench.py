@@ -428,6 +428,42 @@ def test_kernels_py_w4a16_saves_the_implied_tables_and_completes(tmp_path, monke
         (16, "triton-wna16-swap"), (None, "triton-dequant+cublas")]
 
 
+@pytest.mark.parametrize("flag,sweep", [("--w8a8-sweep", "w8a8_sweep"), ("--fp8-sweep", "fp8_sweep")])
+def test_a_config_sweep_saves_its_implied_config_tables(tmp_path, monkeypatch, stub_gpu, flag, sweep):
+    """A config sweep saves after every shape the tables it implies, config tables included: their dataclass configs
+    are written as the repr the run prints to paste (on the H200 at 50fb9ce the W8A8 sweep's first save raised
+    TypeError, W8A8Config is not JSON serializable, and the run lost every shape after the first)."""
+    import json
+
+    from lqe.kernels.triton_fp8 import Fp8Config
+    from lqe.kernels.triton_gemv_w8a8 import GemvConfig
+    from lqe.kernels.triton_w8a8 import W8A8Config
+
+    kernels = stub_gpu
+    gemv, tile, fp8 = GemvConfig(16, 1024, use_dot=False, num_warps=8), W8A8Config(16, 64, 512), Fp8Config(16, 64, 128)
+    shapes = ["256x128", "512x128"]
+
+    def fake_sweep(shape_list, ms, copy_gbps, on_shape=None):
+        rows = []
+        for shape in shape_list:
+            rows.append({"kernel": "cublas-bf16", "shape": shape, "m": 1, "us": 2.0})
+            on_shape(rows, {"triton_gemv_w8a8.CONFIGS": [(1, gemv)], "triton_w8a8.CONFIGS": [(16, tile), (None, tile)],
+                            "triton_fp8.CONFIGS": [(None, fp8)], "W8A8_TABLE": [(1, "triton-gemv"), (None, "triton-w8a8")]})
+        return rows
+
+    monkeypatch.setattr(kernels, sweep, fake_sweep)
+    out = tmp_path / "sweep.json"
+    assert kernels.main([flag, "--m", "1", "--shapes", *shapes, "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["shape"] for r in doc["rows"]] == shapes
+    tables = doc["implied_tables"]
+    assert tables["triton_gemv_w8a8.CONFIGS"] == [[1, repr(gemv)]]
+    assert tables["triton_w8a8.CONFIGS"] == [[16, repr(tile)], [None, repr(tile)]]
+    assert tables["triton_fp8.CONFIGS"] == [[None, repr(fp8)]]
+    assert tables["W8A8_TABLE"] == [[1, "triton-gemv"], [None, "triton-w8a8"]]
+    assert eval(tables["triton_gemv_w8a8.CONFIGS"][0][1], {"GemvConfig": GemvConfig}) == gemv  # paste-able as saved
+
+
 def test_a_rows_run_into_an_empty_out_keeps_the_committed_rows(tmp_path, monkeypatch, stub_gpu):
     """On the device $OUT starts empty: ``--rows w8a8,fp8 --out $OUT/kernels-<gpu>.json`` keeps the rows (and implied
     tables) of the committed benchmarks/results file of that name, when it is the same GPU's, so copying the file
