@@ -200,8 +200,10 @@ def test_tables_resolve_to_one_layout(monkeypatch):
     (shape the mma kernel declines) gets the wna16 counterparts of the mma rows."""
     from lqe.kernels import dispatch, gemm
 
-    mma = tuple(dispatch.WNA16_MMA_TABLE)
-    assert gemm.table_uses_mma(list(mma)) and not gemm.table_uses_mma(dispatch.WNA16_TABLE)
+    assert gemm.table_uses_mma(dispatch.WNA16_MMA_TABLE) and not gemm.table_uses_mma(dispatch.WNA16_TABLE)
+    assert {n for _, n in gemm._table_for("cuda:0", True, True, True, tuple(dispatch.WNA16_MMA_TABLE))} <= set(
+        gemm._MMA_KERNELS)  # the measured table, whatever its rows: mma-layout kernels only
+    mma = ((64, "lqe-w4a16-mma"), (None, "lqe-w4a16-mma-dequant+cublas"))
     assert set(n for _, n in gemm._table_for("cuda:0", True, True, True, mma)) == {
         "lqe-w4a16-mma", "lqe-w4a16-mma-dequant+cublas"}
     wna16_rows = ((2, "lqe-wna16-fused"), (64, "triton-wna16-swap"), (128, "triton-wna16"),

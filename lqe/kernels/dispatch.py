@@ -33,19 +33,31 @@ from __future__ import annotations
 #   triton-wna16             1.08/0.92  1.11/0.94  1.11/0.94  1.04/0.88  0.96/0.84  0.90/0.78  0.67/0.58  0.65/0.47
 #   triton-dequant+cublas    (the old table's layer path above M = 128)                                     0.50/0.47
 # and at M=1024 triton-dequant+cublas 0.79x (triton-wna16 0.50x). (The CUDA dequantize of "dequant+cublas", at ~5 % of
-# the byte floor then, writes whole rows through shared memory since stop 47, as the mma layout's does: not measured;
-# the runbook's A2 times it at M = 256.) The swapped-operand GEMM takes M = 3..64 (the old
+# the byte floor then, writes whole rows through shared memory since stop 47, as the mma layout's does: 0.60x at
+# M = 256 at 50fb9ce, below.) The swapped-operand GEMM takes M = 3..64 (the old
 # table's 1.32 / 1.04 / 0.96 / 0.90 / 0.67x at M = 4 / 8 / 16 / 32 / 64 become 1.60 / 1.49 / 1.32 / 1.24 / 1.01x);
 # the CUDA GEMV keeps M <= 2 with PDL (on by default on sm_90+: device_info.pdl_enabled), level with the swap GEMM at
 # M = 2 but 9 % better on the worst shape. The mma layout (WNA16_MMA_TABLE) beats this table at M = 8 / 16 (1.51 /
 # 1.44x) and 256 / 1024 (its dequantize + cuBLAS 0.59 / 0.84x), loses at M = 1 / 32 / 64 / 128 (1.57 / 1.13 / 0.63 /
-# 0.50x): one layout per layer, so this one stays. Not measured on this table yet: the e2e rows (smollm2, llama3-8b
-# shapes), where on the H100 a small-K layer (K=576) ranked the kernels differently from these shapes.
+# 0.50x): one layout per layer, so this one stays.
+# H200, 50fb9ce (2026-11-28, stop 56), graph-timed: the M sweep at M = 1 / 16 / 64 / 256 on the 4 shapes
+# (kernels-w4a16-nvidia-h200.json) and the triton-wna16 tile-config sweep at M = 128 / 256 / 1024 on 4096x6144 and
+# 14336x4096 (kernels-wna16-sweep-nvidia-h200.json). The rows up to M = 64 hold (fused 1.69x at M = 1; swap 1.32 /
+# 0.92x at 16 / 64). Two rows changed:
+#   - M = 65..128: the swapped-operand GEMM with its 64-token config (m64n128k64, 8 warps; SWAP_CONFIG_TABLE's last
+#     row since then) 0.69x at M = 128 (0.62 / 0.78x per shape), against 0.51x for triton-wna16 (the old row).
+#   - above: the CUDA dequantize + cuBLAS ("dequant+cublas"), 0.60x at M = 256 (0.55-0.63x per shape) against the
+#     Triton dequantize's 0.51x; its dequantize is faster on every shape at every M measured (1 / 16 / 64 / 256), and
+#     the cuBLAS GEMM after it is the same, so it keeps M = 1024 (the Triton one 0.79x there; the CUDA one not timed).
+#   At M = 256 the swap GEMM's 64-token config ran 0.62x on the two swept shapes (0.55 / 0.70x), against 0.58x for
+#   dequant+cublas on the same two; not timed on the other two shapes, so M = 129..256 stays with dequant+cublas until
+#   a sweep with all four does (the candidate WNA16_SWAP_TABLE below runs the swap GEMM to 256 in a model).
+# The smollm2-shape e2e rows of 50fb9ce (e2e-nvidia-h200.json) ran the table before this change: w4a16 932 / 9,754
+# tok/s at batch 1 / 16 (af342f8's table: 920 / 8,428, both with PDL).
 WNA16_TABLE: list[tuple[int | None, str]] = [
-    (2, "lqe-wna16-fused"),  # 1.69 / 1.62x cuBLAS bf16 at M = 1 / 2 with PDL (H200, af342f8)
-    (64, "triton-wna16-swap"),  # 1.60 / 1.49 / 1.32 / 1.24 / 1.01x at M = 4 / 8 / 16 / 32 / 64
-    (128, "triton-wna16"),  # 0.65x (swap 0.48x)
-    (None, "triton-dequant+cublas"),  # 0.50x at M=256, 0.79x at 1024: the dequantize at ~57 % of copy bandwidth
+    (2, "lqe-wna16-fused"),  # 1.69 / 1.62x cuBLAS bf16 at M = 1 / 2 with PDL (H200, af342f8; 1.69x at M=1, 50fb9ce)
+    (128, "triton-wna16-swap"),  # 1.60 / 1.49 / 1.32 / 1.24 / 1.01x at M = 4..64 (af342f8); 0.69x at 128 (50fb9ce)
+    (None, "dequant+cublas"),  # 0.60x at M=256 (50fb9ce; the Triton dequantize 0.51x), the same cuBLAS GEMM after it
 ]
 # "triton-wna16-swap" (lqe/kernels/triton_wna16.py, swap_ab; its configs per M in SWAP_CONFIG_TABLE): the same Triton
 # GEMM on the same packed weights computing out^T = W^T x^T, so on Hopper the dequantized weights are wgmma's register
@@ -57,8 +69,8 @@ WNA16_TABLE: list[tuple[int | None, str]] = [
 # 0.73x at M = 128 / 256 / 1024, below the whole dequantize + cuBLAS (0.50x at 256, 0.79x at 1024): not in a table.
 WNA16_SWAP_TABLE: list[tuple[int | None, str]] = [
     (4, "lqe-wna16-fused"),
-    (256, "triton-wna16-swap"),  # guessed crossover
-    (None, "triton-dequant+cublas"),
+    (256, "triton-wna16-swap"),  # 0.62x at M = 256 on 2 of the 4 shapes (50fb9ce), against dequant+cublas's 0.58x there
+    (None, "dequant+cublas"),
 ]
 # "lqe-wna16-ring" (csrc/gemm/wna16_gemm.cu, RING): the CUDA GEMV with its weights streamed through a per-warp
 # cp.async ring (3 batches of 2 KB in flight per warp, counted waits) instead of the register double buffer, which a
@@ -90,22 +102,29 @@ WNA16_RING_TABLE: list[tuple[int | None, str]] = [
 # sub-partition, so latency-bound: the "-2cta" row runs two blocks per SM); an 8-stage ring at M <= 16.
 # Measured on the H200 at af342f8 (kernels-w4a16-nvidia-h200.json, 4 shapes): 1.57 / 1.58 / 1.51 / 1.44 / 1.13 / 0.63 /
 # 0.38x at M = 1 / 4 / 8 / 16 / 32 / 64 / 128 (three times 0ebe3f7's at M = 1 and 16); "-2cta" 1.59 / 1.31 / 0.42x
-# at M = 1 / 16 / 64; its dequantize + cuBLAS 0.59 / 0.84x at M = 256 / 1024. The rows below are what it implies.
-# Candidate since (not measured): "lqe-w4a16-mma-k2" (gemm_mma.MMA_K2_KERNEL), the same GEMM with 8 warps per block
-# splitting each k-tile (g a power of two >= 64, or channel-wise), the in-block form of "-2cta" (which won on the
-# 4096 x 28672 shape and lost on the small ones), whose k = 0 pieces read the other pieces' slots with both warp
-# groups (the reduction below); benchmarks/kernels_w4a16.py times it at every M beside lqe-w4a16-mma, and a table
-# row may name it. Seen in the same rows, left for later: per 64-row problem the mma GEMM takes ~30 us on
-# 4096 x 4096 at any M > 32 (M = 64 / 128 / 1024: 30.5 / 61.0 / 488.9 us, 16 problems), ~7x one
-# warp's static k-tile schedule (1128 cycles x 7.75 k-tiles per block), while 4096 x 28672 (~2 pieces per column
-# tile) runs at ~2x it: the k = 0 piece's block reading the 7 other pieces' 64 x 256 fp32 slots from L2 (448 KB, one
-# block, 4 round trips per slot) is the likely cost at 8 pieces per tile.
+# at M = 1 / 16 / 64; its dequantize + cuBLAS 0.59 / 0.84x at M = 256 / 1024 (the rows it implied: mma to 64).
+# Candidate since stop 47 (measured at 50fb9ce, below): "lqe-w4a16-mma-k2" (gemm_mma.MMA_K2_KERNEL), the same GEMM
+# with 8 warps per block splitting each k-tile (g a power of two >= 64, or channel-wise), the in-block form of
+# "-2cta" (which won on the 4096 x 28672 shape and lost on the small ones), whose k = 0 pieces read the other pieces'
+# slots with both warp groups (the reduction below); benchmarks/kernels_w4a16.py times it at every M beside
+# lqe-w4a16-mma, and a table row may name it. Seen in the same rows, left for later: per 64-row problem the mma GEMM
+# takes ~30 us on 4096 x 4096 at any M > 32 (M = 64 / 128 / 1024: 30.5 / 61.0 / 488.9 us, 16 problems), ~7x one warp's
+# static k-tile schedule (1128 cycles x 7.75 k-tiles per block), while 4096 x 28672 (~2 pieces per column tile) runs at
+# ~2x it: the k = 0 piece's block reading the 7 other pieces' 64 x 256 fp32 slots from L2 (448 KB, one block, 4 round
+# trips per slot) is the likely cost at 8 pieces per tile.
+# Measured on the H200 at 50fb9ce (kernels-w4a16-nvidia-h200.json, 4 shapes, M = 1 / 16 / 64 / 256): the k-split GEMM
+# "lqe-w4a16-mma-k2" 1.55 / 1.41 / 0.72 / 0.28x, lqe-w4a16-mma 1.58 / 1.44 / 0.62 / 0.24x: k2 wins at M = 64 on every
+# shape (0.86 / 1.03 / 0.48 / 0.62x against 0.75 / 1.03 / 0.37 / 0.51x), loses at 1 and 16, and on 4096 x 28672 at
+# M = 1 it ran 32.8 us, not the ~26 predicted ("-2cta" 25.9 us, mma 31.4). The rows below are what the run implies
+# (M = 32 not timed: k2 from 17 on). Against WNA16_TABLE this layout loses at M = 1 and 64 (1.58 / 0.72 against
+# 1.69 / 0.92x), ties at 256 (dequantize + cuBLAS both, 0.60x) and wins only at 16 (1.44 against 1.32x): one layout
+# per layer, so WNA16_TABLE stays the default.
 WNA16_MMA_TABLE: list[tuple[int | None, str]] = [
-    (64, "lqe-w4a16-mma"),
-    (None, "lqe-w4a16-mma-dequant+cublas"),
+    (16, "lqe-w4a16-mma"),  # 1.58 / 1.44x at M = 1 / 16 (50fb9ce)
+    (64, "lqe-w4a16-mma-k2"),  # 0.72x at M = 64 (mma 0.62x)
+    (None, "lqe-w4a16-mma-dequant+cublas"),  # 0.60x at M = 256
 ]
-# The same table on the 8-warp k-split GEMM (candidate, not measured): LQE_WNA16_TABLE=mma-k2, e2e variant
-# w4a16-mma-k2, so a model can run it before a measurement puts it in WNA16_MMA_TABLE (per M, as the sweep implies).
+# The k-split GEMM at every M up to 64 (candidate): LQE_WNA16_TABLE=mma-k2, e2e variant w4a16-mma-k2.
 WNA16_MMA_K2_TABLE: list[tuple[int | None, str]] = [
     (64, "lqe-w4a16-mma-k2"),
     (None, "lqe-w4a16-mma-dequant+cublas"),

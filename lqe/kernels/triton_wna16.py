@@ -90,16 +90,19 @@ CONFIG_TABLE: list[tuple[int | None, WNA16Config]] = [
     (64, WNA16Config(64, 128, 64, 4, 4)),
     (None, WNA16Config(128, 128, 64, 8, 3, factored=False)),
 ]
-# The swapped-operand kernel per M bucket (``triton-wna16-swap``): BLOCK_N is wgmma's M (64 per warp group), BLOCK_M
-# its N (the tokens). NOT MEASURED: a candidate the kernel benchmark times beside the table above (row
-# "triton-wna16-swap"); dispatch.WNA16_TABLE names it once it wins. Registers on sm_90 (Triton 3.9 PTX, ptxas, bf16
-# 4-bit / fp16 8-bit): 167 / 218 / 182 / 254, no spills. Measured there and left out: m64n128k64 with 4 warps (96 B
-# of spills), m128n128k64 factored (48), every 256-token tile and every 16-warp tile (hundreds).
+# The swapped-operand kernel per M bucket (``triton-wna16-swap``, dispatch.WNA16_TABLE's M = 3..128): BLOCK_N is
+# wgmma's M (64 per warp group), BLOCK_M its N (the tokens). Registers on sm_90 (Triton 3.9 PTX, ptxas, bf16 4-bit /
+# fp16 8-bit), rows in order: 167 / 218 / 182, no spills (the 128-token tile below: 254). Measured there and left out:
+# m64n128k64 with 4 warps (96 B of spills), m128n128k64 factored (48), every 256-token tile and every 16-warp tile
+# (hundreds). The 64-token tile serves every M above 32 since the H200 sweep at 50fb9ce
+# (benchmarks/results/kernels-wna16-sweep-nvidia-h200.json, 4096x6144 and 14336x4096): at M = 128 / 256 / 1024 it ran
+# 0.69 / 0.62 / 0.62x cuBLAS bf16, the best Triton config at each M, where the 128-token tile (SWAP_TILE_128, the
+# last row before) ran 0.40 / 0.34 / 0.36x.
+SWAP_TILE_128 = WNA16Config(128, 128, 64, 8, 4, factored=False, swap_ab=True)
 SWAP_CONFIG_TABLE: list[tuple[int | None, WNA16Config]] = [
     (16, WNA16Config(16, 128, 128, 4, 4, swap_ab=True)),
     (32, WNA16Config(32, 128, 128, 4, 4, swap_ab=True)),
-    (64, WNA16Config(64, 128, 64, 8, 4, swap_ab=True)),
-    (None, WNA16Config(128, 128, 64, 8, 4, factored=False, swap_ab=True)),
+    (None, WNA16Config(64, 128, 64, 8, 4, swap_ab=True)),
 ]
 CTAS_PER_SM = 2  # split-K aims for this many CTAs per SM. NEEDS MEASUREMENT
 MIN_K_BLOCKS_PER_SPLIT = 4  # never split K finer than this many BLOCK_K blocks
@@ -176,7 +179,7 @@ def sweep_configs(m: int) -> list[WNA16Config]:
                 C(128, 128, 32, 4, 4, factored=False), C(128, 128, 64, 8, 3)]
     swapped = pick_config(m, 0, 0, swap_ab=True)  # the swapped-operand kernel's table config and neighbours
     out += [swapped, replace(swapped, block_n=64)] if m <= 64 else \
-        [swapped, replace(swapped, num_stages=3), pick_config(64, 0, 0, swap_ab=True)]
+        [swapped, replace(swapped, num_stages=3), SWAP_TILE_128, replace(SWAP_TILE_128, num_stages=3)]
     first = pick_config(m, 0, 0)
     return [first] + list(dict.fromkeys(c for c in out if c != first))
 
