@@ -9,8 +9,9 @@
 #      with bytes floors; it prints the WNA16_MMA_TABLE and WNA16_TABLE (one per weight layout) the measurement
 #      implies -> $OUTDIR/kernels-w4a16-<gpu>.json
 #      (kept apart from kernels-<gpu>.json, which the W8A8 stage and run_gpu.sh write; rows saved shape by shape);
-#      LQE_WNA16_SWEEP=1 adds the triton-wna16 tile-config sweep at M = LQE_WNA16_SWEEP_MS (default 16 32 64 128;
-#      kernels.py --wna16-sweep, which prints the paste-able CONFIG_TABLE; its own step name: configs)
+#      LQE_WNA16_SWEEP=1 adds the triton-wna16 tile-config sweep at M = LQE_WNA16_SWEEP_MS (default 16 32 64 128)
+#      on LQE_WNA16_SWEEP_SHAPES (default 4096x6144 14336x4096; kernels.py --wna16-sweep, which prints the paste-able
+#      CONFIG_TABLE; its own step name: configs)
 #      -> $OUTDIR/kernels-wna16-sweep-<gpu>.json,
 #   4. e2e: the llama3-8b shape, bf16 and w4a16 (dispatch.WNA16_TABLE: set it from step 3's implied table first)
 #      in the same run, no eager columns, LQE_W4A16_REQUESTS (default 32) requests -> $OUTDIR/e2e-<gpu>.json, rows
@@ -43,7 +44,8 @@ if [[ $BUILD_RC -eq 0 ]]; then
   if [[ "${LQE_WNA16_SWEEP:-0}" == 1 ]] && ! skip configs; then
     echo "== triton-wna16 tile-config sweep (M = ${LQE_WNA16_SWEEP_MS:=16 32 64 128})"
     timeout "$(budget "${LQE_SWEEP_TIMEOUT:-150}")" python benchmarks/kernels.py --wna16-sweep --m $LQE_WNA16_SWEEP_MS \
-      --shapes 4096x6144 14336x4096 --out "$OUTDIR/kernels-wna16-sweep-$SLUG.json" > "$LOGDIR/wna16-sweep.log" 2>&1
+      --shapes ${LQE_WNA16_SWEEP_SHAPES:-4096x6144 14336x4096} --out "$OUTDIR/kernels-wna16-sweep-$SLUG.json" \
+      > "$LOGDIR/wna16-sweep.log" 2>&1
     wrc=$?
     grep -E "^# |^[A-Z_0-9]+ = \[|^    \(|^\]" "$LOGDIR/wna16-sweep.log" | tail -60
     (( wrc != 0 )) && rc_sweep=$wrc

@@ -65,9 +65,12 @@ def pdl_enabled(device: torch.device) -> bool:
     each variant beside its LQE_PDL=1 twin): the GPU time of a batch-1 decode step 0.96 -> 0.83 ms (bf16), 1.01 ->
     0.75 (W4A16), 0.92 -> 0.68 (W8A8); decode at batch 1 / 16 +24 / +9 % (W4A16) and +29 / +24 % (W8A8); the CUDA
     GEMV alone 1.54 -> 1.69x cuBLAS bf16 at M = 1 (kernels-w4a16-nvidia-h200.json). The bf16 pair's decode tok/s
-    fell (867 -> 703 at batch 1) with its host time per step at 1.07 ms against 0.32, which PDL does not touch: to be
-    measured again (benchmarks/GPU_RUNBOOK.md). Read per call, as ``LQE_WNA16_TABLE`` is, so a benchmark can compare
-    both in one process. Any other value than ``0`` / ``1`` / unset is an error naming them."""
+    fell then (867 -> 703 at batch 1) with its host time per step at 1.07 ms against 0.32, which PDL does not touch.
+    Measured again at 50fb9ce with PDL the default (same file, each variant beside its LQE_PDL=0 twin): the GPU time
+    per step 0.96 -> 0.82 (bf16), 1.01 -> 0.77 (W4A16), 0.91 -> 0.68 ms (W8A8), and decode at batch 1 faster for all
+    three (786 -> 822, 727 -> 932, 772 -> 930 tok/s); at batch 16 bf16 +19 %, W4A16 +10 %, W8A8 -3 %. Read per call,
+    as ``LQE_WNA16_TABLE`` is, so a benchmark can compare both in one process. Any other value than ``0`` / ``1`` /
+    unset is an error naming them."""
     value = os.environ.get(PDL_ENV, "").strip()
     if value not in ("", "0", "1"):
         raise ValueError(f"{PDL_ENV}={value!r}: use 0 (no programmatic dependent launch), or 1 / unset (on, on sm_90+)")
