@@ -34,6 +34,9 @@ Per (model shape, variant) it measures, through the public API (``LLM.generate``
   building, sampling bookkeeping, output processing), over 64 batch-1 decode steps, and ``graph_launch_ms_step_bs1``
   the part of it spent inside the decode graph's ``replay()`` (the driver's launch of the graph: at af342f8 the H200
   gave bf16 1.07 ms of host time per step with PDL against 0.32 without, which PDL's kernels alone do not explain);
+  ``host_ms_step_bs1_p50`` / ``_max``, the median and largest of those steps, and ``gc_ms_step_bs1``, the time
+  Python's garbage collector ran inside them, per step (at 50fb9ce the mean swung between variants of one run, w8a8
+  0.92 ms with PDL against 0.54 without, while their GPU time per step held: one pause or every step?);
 * the same decode columns with ``_eager`` appended: the engine with ``enforce_eager=True`` (no CUDA graphs), in
   the same run, so the graphs' gain is one division away (skipped with ``--no-eager``);
 * ``phase_s``: wall seconds per phase of the variant (load, warm-up, decode, ttft, throughput, kernel_busy, and the
@@ -474,9 +477,11 @@ def decode_weight_bytes(llm) -> int:
     return total
 
 
-def host_ms_per_step(llm, sp_cls, vocab: int, rng: random.Random, steps: int = 64) -> tuple[float, float | None]:
-    """``(host ms, graph-launch ms)`` per batch-1 decode step: wall time of ``step()`` minus its wait for the GPU,
-    and the part of it inside the decode graph's ``replay()`` (None without decode graphs)."""
+def host_ms_per_step(llm, sp_cls, vocab: int, rng: random.Random, steps: int = 64) -> dict[str, float]:
+    """Host time of a batch-1 decode step, over ``steps`` steps: ``host_ms_step_bs1``, the mean wall time of
+    ``step()`` minus its wait for the GPU; ``_p50`` / ``_max`` of it per step (one pause moves the mean, not the
+    median); ``gc_ms_step_bs1``, the time Python's cyclic garbage collector ran inside those steps, per step; and
+    ``graph_launch_ms_step_bs1``, the part inside the decode graph's ``replay()`` (left out without decode graphs)."""
     engine = llm.llm_engine
     engine.add_request("host-time", _prompts(rng, 1, 128, vocab)[0],
                        sp_cls(max_tokens=steps + 2, ignore_eos=True, temperature=0))
@@ -484,16 +489,35 @@ def host_ms_per_step(llm, sp_cls, vocab: int, rng: random.Random, steps: int = 6
     runner = engine.runner
     graphs = getattr(runner, "graph_runner", None)
     launch0 = graphs.launch_s if graphs is not None else 0.0
+    gc_s, gc_start = [0.0], [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            gc_s[0] += time.perf_counter() - gc_start[0]
+
+    per_step = []
     runner.measure_gpu_wait, runner.gpu_wait_s = True, 0.0
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    wall = time.perf_counter() - t0
-    runner.measure_gpu_wait = False
-    launch = (graphs.launch_s - launch0) / steps * 1e3 if graphs is not None else None
+    gc.callbacks.append(on_gc)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            s0, wait0 = time.perf_counter(), runner.gpu_wait_s
+            engine.step()
+            per_step.append(time.perf_counter() - s0 - (runner.gpu_wait_s - wait0))
+        wall = time.perf_counter() - t0
+    finally:
+        gc.callbacks.remove(on_gc)
+        runner.measure_gpu_wait = False
+    cols = {"host_ms_step_bs1": (wall - runner.gpu_wait_s) / steps * 1e3,
+            "host_ms_step_bs1_p50": statistics.median(per_step) * 1e3, "host_ms_step_bs1_max": max(per_step) * 1e3,
+            "gc_ms_step_bs1": gc_s[0] / steps * 1e3}
+    if graphs is not None:
+        cols["graph_launch_ms_step_bs1"] = (graphs.launch_s - launch0) / steps * 1e3
     while engine.has_unfinished():
         engine.step()
-    return (wall - runner.gpu_wait_s) / steps * 1e3, launch
+    return cols
 
 
 def _llm(model_dir: Path, args, eager: bool):
@@ -541,10 +565,7 @@ def _decode_columns(llm, args, vocab: int, suffix: str, phases: Phases | None = 
     n = 256 if not suffix else 64  # the eager engine is ~10x slower: fewer tokens give the same rate
     row = {f"decode_tok_s_bs1{suffix}": decode_tok_s(llm, SamplingParams, 1, vocab, rng, n),
            f"decode_tok_s_bs16{suffix}": decode_tok_s(llm, SamplingParams, 16, vocab, rng, n)}
-    host, launch = host_ms_per_step(llm, SamplingParams, vocab, rng)
-    row[f"host_ms_step_bs1{suffix}"] = host
-    if launch is not None:  # (graphs only: the eager engine launches no graph)
-        row[f"graph_launch_ms_step_bs1{suffix}"] = launch
+    row.update({f"{name}{suffix}": v for name, v in host_ms_per_step(llm, SamplingParams, vocab, rng).items()})
     phases.mark(f"decode{suffix}")
     return row
 

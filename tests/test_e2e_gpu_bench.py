@@ -160,7 +160,7 @@ def test_warm_up_compiles_every_bucket_before_the_timed_runs(tiny_llama_dir, mon
     _recording(llm.llm_engine.runner, log)
     timed = lambda *a, **k: log.append("timed") or 1.0  # noqa: E731
     monkeypatch.setattr(e2e_gpu, "decode_tok_s", timed)
-    monkeypatch.setattr(e2e_gpu, "host_ms_per_step", lambda *a, **k: (timed(), None))
+    monkeypatch.setattr(e2e_gpu, "host_ms_per_step", lambda *a, **k: {"host_ms_step_bs1": timed()})
     args = argparse.Namespace(seed=0, max_num_batched_tokens=96, label="tiny/bf16")
     e2e_gpu._decode_columns(llm, args, 200, "")
     before = log[:log.index("timed")]
@@ -172,9 +172,11 @@ def test_warm_up_compiles_every_bucket_before_the_timed_runs(tiny_llama_dir, mon
     assert not llm.llm_engine.has_unfinished() and not llm.llm_engine.requests
 
 
-def test_host_ms_per_step_splits_out_the_graph_launch(monkeypatch):
-    """host_ms_step_bs1 is a step's wall time minus its GPU wait; graph_launch_ms_step_bs1 the part inside the decode
-    graph's replay() (the runner's launch_s over the timed steps only), None without decode graphs."""
+def test_host_ms_per_step_splits_out_the_graph_launch_and_the_pauses(monkeypatch):
+    """host_ms_step_bs1 is a step's wall time minus its GPU wait, averaged; _p50 / _max per step; gc_ms_step_bs1 the
+    collector's time inside the timed steps (through gc.callbacks, removed after); graph_launch_ms_step_bs1 the part
+    inside the decode graph's replay() (the runner's launch_s over the timed steps only), absent without graphs."""
+    import gc
     import random
     import types
 
@@ -184,14 +186,20 @@ def test_host_ms_per_step_splits_out_the_graph_launch(monkeypatch):
     class Engine:
         def __init__(self, graphs):
             self.runner = types.SimpleNamespace(graph_runner=graphs, measure_gpu_wait=False, gpu_wait_s=0.0)
-            self.left = 0
+            self.left, self.calls = 0, 0
 
         def add_request(self, rid, prompt, params):
             self.left = params.max_tokens
 
         def step(self):  # 3 ms per step, 1 of them waiting for the GPU, 0.5 inside the graph's launch
             clock["t"] += 3e-3
-            self.left -= 1
+            self.left, self.calls = self.left - 1, self.calls + 1
+            if self.calls == 11:  # the 10th timed step: a 5 ms collection
+                for cb in list(gc.callbacks):
+                    cb("start", {"generation": 2})
+                clock["t"] += 5e-3
+                for cb in list(gc.callbacks):
+                    cb("stop", {"generation": 2, "collected": 0, "uncollectable": 0})
             if self.runner.measure_gpu_wait:
                 self.runner.gpu_wait_s += 1e-3
             if self.runner.graph_runner is not None:
@@ -201,12 +209,15 @@ def test_host_ms_per_step_splits_out_the_graph_launch(monkeypatch):
             return self.left > 0
 
     sp = lambda **k: types.SimpleNamespace(**k)  # noqa: E731
+    callbacks = list(gc.callbacks)
     engine = Engine(types.SimpleNamespace(launch_s=7.0))  # (launches before the timed steps do not count)
-    host, launch = e2e_gpu.host_ms_per_step(types.SimpleNamespace(llm_engine=engine), sp, 100, random.Random(0))
-    assert abs(host - 2.0) < 1e-9 and abs(launch - 0.5) < 1e-9
-    engine = Engine(None)
-    host, launch = e2e_gpu.host_ms_per_step(types.SimpleNamespace(llm_engine=engine), sp, 100, random.Random(0))
-    assert abs(host - 2.0) < 1e-9 and launch is None
+    cols = e2e_gpu.host_ms_per_step(types.SimpleNamespace(llm_engine=engine), sp, 100, random.Random(0))
+    assert abs(cols["host_ms_step_bs1"] - (63 * 2.0 + 7.0) / 64) < 1e-9
+    assert abs(cols["host_ms_step_bs1_p50"] - 2.0) < 1e-9 and abs(cols["host_ms_step_bs1_max"] - 7.0) < 1e-9
+    assert abs(cols["gc_ms_step_bs1"] - 5.0 / 64) < 1e-9 and abs(cols["graph_launch_ms_step_bs1"] - 0.5) < 1e-9
+    assert gc.callbacks == callbacks and not engine.runner.measure_gpu_wait
+    cols = e2e_gpu.host_ms_per_step(types.SimpleNamespace(llm_engine=Engine(None)), sp, 100, random.Random(0))
+    assert "graph_launch_ms_step_bs1" not in cols and abs(cols["host_ms_step_bs1_p50"] - 2.0) < 1e-9
 
 
 def test_warmup_token_counts_cover_the_kernel_tables():
