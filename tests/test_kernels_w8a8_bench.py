@@ -448,7 +448,8 @@ def test_a_config_sweep_saves_its_implied_config_tables(tmp_path, monkeypatch, s
         for shape in shape_list:
             rows.append({"kernel": "cublas-bf16", "shape": shape, "m": 1, "us": 2.0})
             on_shape(rows, {"triton_gemv_w8a8.CONFIGS": [(1, gemv)], "triton_w8a8.CONFIGS": [(16, tile), (None, tile)],
-                            "triton_fp8.CONFIGS": [(None, fp8)], "W8A8_TABLE": [(1, "triton-gemv"), (None, "triton-w8a8")]})
+                            "triton_fp8.CONFIGS": [(None, fp8)],
+                            "W8A8_TABLE": [(1, "triton-gemv"), (None, "triton-w8a8")]})
         return rows
 
     monkeypatch.setattr(kernels, sweep, fake_sweep)
