@@ -14,7 +14,8 @@ Per (model shape, variant) it measures, through the public API (``LLM.generate``
 
 * ``decode_tok_s_bs1`` / ``decode_tok_s_bs16``: generated tokens per second after the first token, one request /
   16 requests (128-token prompts, 256 new tokens);
-* ``ttft_ms``: time to first token of one 512-token prompt (median of 3, prefix caching off);
+* ``ttft_ms``: time to first token of one 512-token prompt (median of 3, prefix caching off), and ``ttft_ms_reps``
+  the three (at 50fb9ce w8a8 gave 49.9 ms with PDL against 30.0 without, in one run: one slow repetition or all?);
 * ``throughput_tok_s`` (= ``throughput_256_tok_s``): output tokens per second over N requests (default 256) whose
   input and output lengths are uniform in [100, 1024] (seed 0, ``ignore_eos``: ``benchmarks/workload.py``, the
   nano-vllm protocol); ``total_tok_s`` adds the prompt tokens; ``workload_id`` (a digest of the requests),
@@ -195,7 +196,9 @@ def decode_tok_s(llm, sp_cls, batch: int, vocab: int, rng: random.Random, new_to
     return generated / (end - max(firsts))
 
 
-def ttft_ms(llm, sp_cls, vocab: int, rng: random.Random, prompt_len: int = 512, reps: int = 3) -> float:
+def ttft_times_ms(llm, sp_cls, vocab: int, rng: random.Random, prompt_len: int = 512, reps: int = 3) -> list[float]:
+    """Milliseconds from ``generate`` to its one token, for each of ``reps`` fresh ``prompt_len``-token prompts (the
+    row keeps their median as ``ttft_ms`` and all of them as ``ttft_ms_reps``)."""
     times = []
     for p in _prompts(rng, reps, prompt_len, vocab):
         _sync()
@@ -203,7 +206,7 @@ def ttft_ms(llm, sp_cls, vocab: int, rng: random.Random, prompt_len: int = 512, 
         llm.generate([p], sp_cls(max_tokens=1, ignore_eos=True, temperature=0), use_tqdm=False)
         _sync()
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return times
 
 
 # the kernel modules whose module-level tables map token counts to kernels or tile configurations: lists of
@@ -651,7 +654,8 @@ def _graph_columns(llm, args, vocab: int, shape: str, phases: Phases) -> dict:
         row["gpu_ms_step_bs1"] = runner.graph_runner.time_replay(1, 128 + 128)
         row["gpu_busy_bs1"] = row["gpu_ms_step_bs1"] * row["decode_tok_s_bs1"] / 1e3
     rng = random.Random(args.seed + 1)
-    row["ttft_ms"] = ttft_ms(llm, SamplingParams, vocab, rng)
+    ttfts = ttft_times_ms(llm, SamplingParams, vocab, rng)
+    row["ttft_ms"], row["ttft_ms_reps"] = statistics.median(ttfts), [round(t, 2) for t in ttfts]
     row["weight_bytes"] = decode_weight_bytes(llm)
     phases.mark("ttft")
     # the issue-26 workload: throughput_tok_s / total_tok_s keep their names (same protocol: lengths uniform in

@@ -220,6 +220,28 @@ def test_host_ms_per_step_splits_out_the_graph_launch_and_the_pauses(monkeypatch
     assert "graph_launch_ms_step_bs1" not in cols and abs(cols["host_ms_step_bs1_p50"] - 2.0) < 1e-9
 
 
+def test_ttft_times_each_fresh_prompt_alone(monkeypatch):
+    """ttft_times_ms gives one time per repetition, each a generate() of one fresh prompt_len-token prompt asking
+    for one token, timed on its own (the row keeps their median as ttft_ms and the list as ttft_ms_reps)."""
+    import random
+    import types
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr(e2e_gpu.time, "perf_counter", lambda: clock["t"])
+    calls = []
+
+    class Llm:
+        def generate(self, prompts, params, use_tqdm):
+            calls.append((prompts, params.max_tokens))
+            clock["t"] += (30e-3, 50e-3, 31e-3)[len(calls) - 1]  # one slow repetition
+
+    sp = lambda **k: types.SimpleNamespace(**k)  # noqa: E731
+    times = e2e_gpu.ttft_times_ms(Llm(), sp, 1000, random.Random(0), prompt_len=64, reps=3)
+    assert [round(t, 6) for t in times] == [30.0, 50.0, 31.0]
+    assert [(len(p), len(p[0]), n) for p, n in calls] == [(1, 64, 1)] * 3
+    assert len({tuple(p[0]) for p, _ in calls}) == 3  # fresh prompts: no prefix-cache hit between repetitions
+
+
 def test_warmup_token_counts_cover_the_kernel_tables():
     from lqe.kernels import dispatch, triton_w8a8, triton_wna16
 
