@@ -45,7 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from common import env_info
-from e2e_gpu import SHAPES, build_random_model, checkpoint_dir, decode_weight_bytes, environment
+from e2e_gpu import SHAPES, build_random_model, checkpoint_dir, environment
+from e2e_measure import decode_weight_bytes
 from workload import peaks_for
 
 # name -> (kv_cache_dtype, kv_cache_key_rotation)

@@ -242,9 +242,9 @@ def test_serving_benchmark_against_a_tokenizerless_server(tmp_path):
 
 
 def test_e2e_gpu_kernel_busy_glue_on_cpu(tiny_llama_dir):
-    """The profiled window of e2e_gpu.kernel_busy steps the profiler once per engine step and restores the runner;
+    """The profiled window of e2e_measure.kernel_busy steps the profiler once per engine step and restores the runner;
     on the CPU there are no CUDA events, so the column is None (on a GPU: kernel union / span)."""
-    import e2e_gpu
+    import e2e_measure
 
     from lqe import LLM, SamplingParams
 
@@ -252,7 +252,7 @@ def test_e2e_gpu_kernel_busy_glue_on_cpu(tiny_llama_dir):
     runner = llm.llm_engine.runner
     from torch.profiler import ProfilerActivity
 
-    row = e2e_gpu.kernel_busy(llm, SamplingParams, 2, 200, 0, skip_steps=2, steps=3, lo=10, hi=40,
+    row = e2e_measure.kernel_busy(llm, SamplingParams, 2, 200, 0, skip_steps=2, steps=3, lo=10, hi=40,
                               activities=[ProfilerActivity.CPU])  # a CPU build refuses a CUDA-only profiler
     assert row["gpu_kernel_busy_256"] is None and row["kernel_busy_gpu_events"] == 0 and row["kernel_busy_requests"] == 2
     assert row["kernel_busy_top"] == []  # no CUDA events: nothing to break down
@@ -332,7 +332,7 @@ def test_e2e_gpu_busy_spans_start_after_the_inputs(tiny_llama_dir):
     """gpu_busy_256's events, with fake events on the CPU: each step's span starts after its inputs are enqueued
     (StepInputBuilder.fill returned) and ends after its sampled tokens' device-to-host copy (to_host_start), so the
     host's input building and bookkeeping are outside; one span per step; the runner's methods are restored."""
-    import e2e_gpu
+    import e2e_measure
 
     from lqe import LLM, SamplingParams
 
@@ -344,7 +344,7 @@ def test_e2e_gpu_busy_spans_start_after_the_inputs(tiny_llama_dir):
     runner.inputs.fill = lambda *a, **k: (log.append("fill"), fill(*a, **k))[1]
     runner.to_host_start = lambda *a, **k: (log.append("to_host"), to_host(*a, **k))[1]
     mine = runner.inputs.fill, runner.to_host_start
-    t = e2e_gpu.throughput_256(llm, SamplingParams, 3, 200, 0, lo=40, hi=60, event=_FakeEvent)
+    t = e2e_measure.throughput_256(llm, SamplingParams, 3, 200, 0, lo=40, hi=60, event=_FakeEvent)
     assert (vars(runner.inputs)["fill"], vars(runner)["to_host_start"]) == mine  # what was there before
     assert not {"execute", "execute_async"} & set(vars(runner))  # the class's methods again
     assert t["out_tokens"] == sum(r.output_len for r in t["requests"]) and t["steps"] > 20

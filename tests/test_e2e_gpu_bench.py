@@ -16,6 +16,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import compare_e2e  # noqa: E402
 import e2e_gpu  # noqa: E402
+import e2e_measure  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------ main, stubbed
@@ -167,7 +168,7 @@ def test_warm_up_compiles_every_bucket_before_the_timed_runs(tiny_llama_dir, mon
     sizes = {n for n, _ in before}
     assert any(n == 96 and decodes >= 8 for n, decodes in before), before  # the full step, beside decodes
     assert {1, 15, 16, 63, 64, 95, 96} <= sizes, before
-    assert set(e2e_gpu.warmup_token_counts(96)) <= sizes, before
+    assert set(e2e_measure.warmup_token_counts(96)) <= sizes, before
     assert len(before) < 40  # a few steps
     assert not llm.llm_engine.has_unfinished() and not llm.llm_engine.requests
 
@@ -181,7 +182,7 @@ def test_host_ms_per_step_splits_out_the_graph_launch_and_the_pauses(monkeypatch
     import types
 
     clock = {"t": 0.0}
-    monkeypatch.setattr(e2e_gpu.time, "perf_counter", lambda: clock["t"])
+    monkeypatch.setattr(e2e_measure.time, "perf_counter", lambda: clock["t"])
 
     class Engine:
         def __init__(self, graphs):
@@ -211,12 +212,12 @@ def test_host_ms_per_step_splits_out_the_graph_launch_and_the_pauses(monkeypatch
     sp = lambda **k: types.SimpleNamespace(**k)  # noqa: E731
     callbacks = list(gc.callbacks)
     engine = Engine(types.SimpleNamespace(launch_s=7.0))  # (launches before the timed steps do not count)
-    cols = e2e_gpu.host_ms_per_step(types.SimpleNamespace(llm_engine=engine), sp, 100, random.Random(0))
+    cols = e2e_measure.host_ms_per_step(types.SimpleNamespace(llm_engine=engine), sp, 100, random.Random(0))
     assert abs(cols["host_ms_step_bs1"] - (63 * 2.0 + 7.0) / 64) < 1e-9
     assert abs(cols["host_ms_step_bs1_p50"] - 2.0) < 1e-9 and abs(cols["host_ms_step_bs1_max"] - 7.0) < 1e-9
     assert abs(cols["gc_ms_step_bs1"] - 5.0 / 64) < 1e-9 and abs(cols["graph_launch_ms_step_bs1"] - 0.5) < 1e-9
     assert gc.callbacks == callbacks and not engine.runner.measure_gpu_wait
-    cols = e2e_gpu.host_ms_per_step(types.SimpleNamespace(llm_engine=Engine(None)), sp, 100, random.Random(0))
+    cols = e2e_measure.host_ms_per_step(types.SimpleNamespace(llm_engine=Engine(None)), sp, 100, random.Random(0))
     assert "graph_launch_ms_step_bs1" not in cols and abs(cols["host_ms_step_bs1_p50"] - 2.0) < 1e-9
 
 
@@ -227,7 +228,7 @@ def test_ttft_times_each_fresh_prompt_alone(monkeypatch):
     import types
 
     clock = {"t": 0.0}
-    monkeypatch.setattr(e2e_gpu.time, "perf_counter", lambda: clock["t"])
+    monkeypatch.setattr(e2e_measure.time, "perf_counter", lambda: clock["t"])
     calls = []
 
     class Llm:
@@ -236,7 +237,7 @@ def test_ttft_times_each_fresh_prompt_alone(monkeypatch):
             clock["t"] += (30e-3, 50e-3, 31e-3)[len(calls) - 1]  # one slow repetition
 
     sp = lambda **k: types.SimpleNamespace(**k)  # noqa: E731
-    times = e2e_gpu.ttft_times_ms(Llm(), sp, 1000, random.Random(0), prompt_len=64, reps=3)
+    times = e2e_measure.ttft_times_ms(Llm(), sp, 1000, random.Random(0), prompt_len=64, reps=3)
     assert [round(t, 6) for t in times] == [30.0, 50.0, 31.0]
     assert [(len(p), len(p[0]), n) for p, n in calls] == [(1, 64, 1)] * 3
     assert len({tuple(p[0]) for p, _ in calls}) == 3  # fresh prompts: no prefix-cache hit between repetitions
@@ -245,13 +246,13 @@ def test_ttft_times_each_fresh_prompt_alone(monkeypatch):
 def test_warmup_token_counts_cover_the_kernel_tables():
     from lqe.kernels import dispatch, triton_w8a8, triton_wna16
 
-    counts = e2e_gpu.warmup_token_counts(8192)
+    counts = e2e_measure.warmup_token_counts(8192)
     assert counts[-2:] == [8191, 8192]  # the throughput run's max_num_batched_tokens steps, both 16-divisibilities
     for table in (dispatch.WNA16_TABLE, dispatch.W8A8_TABLE, triton_wna16.CONFIG_TABLE, triton_w8a8.CONFIGS):
         for max_m, _ in table:
             if max_m is not None:
                 assert max_m in counts and (max_m == 1 or max_m - 1 in counts)
-    assert e2e_gpu.warmup_token_counts(96, bounds={64, 256}) == [63, 64, 95, 96]
+    assert e2e_measure.warmup_token_counts(96, bounds={64, 256}) == [63, 64, 95, 96]
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -267,7 +268,7 @@ def test_kernel_busy_stops_after_its_window(tiny_llama_dir, async_scheduling):
     log = []
     _recording(runner, log)
     recorder = dict(vars(runner))
-    row = e2e_gpu.kernel_busy(llm, SamplingParams, 4, 200, 0, skip_steps=2, steps=3, lo=30, hi=60,
+    row = e2e_measure.kernel_busy(llm, SamplingParams, 4, 200, 0, skip_steps=2, steps=3, lo=30, hi=60,
                               activities=[ProfilerActivity.CPU])
     assert row["kernel_busy_steps_run"] == 7 and len(log) == 7, log  # 4 requests of 30-60 new tokens: ~60 steps
     assert row["kernel_busy_requests"] == 4 and row["kernel_busy_window_steps"] == 3
