@@ -195,7 +195,7 @@ DRY_RUNS = {
                   "tests/gpu/test_pdl_models.py"),
                  ("benchmarks/kernels.py", "--w4a16", "--m 1 4 16", "kernels-pdl-stub-gpu.json"),
                  ("benchmarks/e2e_gpu.py", "smollm2-135m",
-                  "--variants bf16,bf16-nopdl,w4a16,w4a16-nopdl,w8a8,w8a8-nopdl")],
+                  "--variants bf16-nopdl,bf16,w4a16,w4a16-nopdl,w8a8,w8a8-nopdl")],
             ["pdl-stage-stub-gpu.json"]),
     "kvcache": ("", [("-m pytest", "tests/gpu/test_triton_attention_fp8.py"),
                      ("benchmarks/kv_cache_gpu.py", "kvcache-stub-gpu.json")], []),
