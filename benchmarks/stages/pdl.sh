@@ -12,9 +12,9 @@
 #   4. e2e: the small shapes (decode is launch-bound there: where PDL shows first), each variant (with PDL, the
 #      default) beside its -nopdl twin (LQE_PDL=0) in the same run (LQE_PDL_VARIANTS, default
 #      bf16-nopdl,bf16,w4a16,w4a16-nopdl,w8a8,w8a8-nopdl; LQE_PDL_SHAPES, default smollm2-135m; LQE_PDL_REQUESTS
-#      requests, default 32) -> $OUTDIR/e2e-<gpu>.json (rows merged by shape and variant). bf16's twin runs first:
-#      at 50fb9ce bf16 ran first and was the slow one of its pair (TTFT phase 0.7 s against 0.3 s for every other
-#      variant, throughput 0.85x its twin); with the order turned, a slow bf16-nopdl is the first variant's cost, not PDL,
+#      requests, default 32) -> $OUTDIR/e2e-<gpu>.json (rows merged by shape and variant); bf16's twin runs first
+#      (at 50fb9ce bf16 ran first and was the slow one of its pair: TTFT phase 0.7 s against 0.3 s for every other
+#      variant, throughput 0.85x its twin; a slow bf16-nopdl now is the first variant's cost, not PDL's),
 # then $OUTDIR/pdl-stage-<gpu>.json (exit codes, seconds). Time limits (s): LQE_TEST_TIMEOUT (150),
 # LQE_KERNELS_TIMEOUT (150), LQE_E2E_TIMEOUT (300), all cut to the stage budget LQE_BUDGET_S (570).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
