@@ -90,8 +90,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from common import commit, cuda_fault, restart, write_random_checkpoint  # noqa: E402
-from e2e_measure import (_prompts, decode_tok_s, decode_weight_bytes, host_ms_per_step, kernel_busy,  # noqa: E402
-                         throughput_256, ttft_times_ms, warm_up_steps, warmup_token_counts)
+from e2e_measure import (decode_tok_s, decode_weight_bytes, host_ms_per_step, kernel_busy, throughput_256,  # noqa: E402
+                         token_prompts, ttft_times_ms, warm_up_steps, warmup_token_counts)
 from workload import peaks_for, workload_floor, workload_id  # noqa: E402
 
 SHAPES = {  # HF config fields of the real models; weights are random
@@ -232,7 +232,7 @@ def _decode_columns(llm, args, vocab: int, suffix: str, phases: Phases | None = 
 
     phases = phases or Phases(f"{getattr(args, 'label', '?')}")
     rng = random.Random(args.seed)
-    llm.generate(_prompts(rng, 2, 64, vocab), SamplingParams(max_tokens=8, ignore_eos=True, temperature=0),
+    llm.generate(token_prompts(rng, 2, 64, vocab), SamplingParams(max_tokens=8, ignore_eos=True, temperature=0),
                  use_tqdm=False)  # warm-up: kernel compilation / autotuning
     # every M bucket the timed runs can hit, up to a max_num_batched_tokens step beside decodes (the throughput
     # run's first steps): its compiles are not timed (own rng: the timed prompts stay those of earlier runs)

@@ -14,7 +14,9 @@ import torch
 from workload import workload_256
 
 
-def _prompts(rng: random.Random, n: int, length: int | tuple[int, int], vocab: int) -> list[list[int]]:
+def token_prompts(rng: random.Random, n: int, length: int | tuple[int, int], vocab: int) -> list[list[int]]:
+    """``n`` prompts of random token ids in [2, vocab), each ``length`` tokens or a length drawn from the (lo, hi)
+    pair, from ``rng`` (its state carries over between calls, so every call draws fresh prompts)."""
     out = []
     for _ in range(n):
         k = length if isinstance(length, int) else rng.randint(*length)
@@ -28,7 +30,7 @@ def _sync():
 
 
 def decode_tok_s(llm, sp_cls, batch: int, vocab: int, rng: random.Random, new_tokens: int = 256) -> float:
-    prompts = _prompts(rng, batch, 128, vocab)
+    prompts = token_prompts(rng, batch, 128, vocab)
     _sync()
     outs = llm.generate(prompts, sp_cls(max_tokens=new_tokens, ignore_eos=True, temperature=0), use_tqdm=False)
     _sync()
@@ -44,7 +46,7 @@ def ttft_times_ms(llm, sp_cls, vocab: int, rng: random.Random, prompt_len: int =
     """Milliseconds from ``generate`` to its one token, for each of ``reps`` fresh ``prompt_len``-token prompts (the
     row keeps their median as ``ttft_ms`` and all of them as ``ttft_ms_reps``)."""
     times = []
-    for p in _prompts(rng, reps, prompt_len, vocab):
+    for p in token_prompts(rng, reps, prompt_len, vocab):
         _sync()
         t0 = time.perf_counter()
         llm.generate([p], sp_cls(max_tokens=1, ignore_eos=True, temperature=0), use_tqdm=False)
@@ -116,7 +118,7 @@ def warm_up_steps(llm, sp_cls, vocab: int, rng: random.Random, counts: list[int]
         while tokens > 0:
             k = min(tokens, max_prompt)
             rid = f"warm-up-{next(ids)}"
-            engine.add_request(rid, _prompts(rng, 1, k, vocab)[0], params)
+            engine.add_request(rid, token_prompts(rng, 1, k, vocab)[0], params)
             rids.add(rid)
             tokens -= k
         return rids
@@ -128,7 +130,7 @@ def warm_up_steps(llm, sp_cls, vocab: int, rng: random.Random, counts: list[int]
         if running:
             plen = 8
             for rid in running:
-                engine.add_request(rid, _prompts(rng, 1, plen, vocab)[0],
+                engine.add_request(rid, token_prompts(rng, 1, plen, vocab)[0],
                                    sp_cls(max_tokens=engine.max_model_len - plen - 1, ignore_eos=True, temperature=0))
             started: set[str] = set()
             while len(started) < len(running) and engine.has_unfinished():  # their prefill: then they decode
@@ -282,9 +284,9 @@ def kernel_busy(llm, sp_cls, n: int, vocab: int, seed: int, skip_steps: int = 50
     events = [e for e in prof.profiler.kineto_results.events() if e.device_type() == torch.autograd.DeviceType.CUDA]
     busy, span = busy_union([(e.start_ns(), e.end_ns()) for e in events])
     return {"gpu_kernel_busy_256": round(busy / span, 3) if span else None, "kernel_busy_window_steps": steps,
-            "kernel_busy_window_ms": round(span / 1e6, 1), "kernel_busy_requests": n, "kernel_busy_gpu_events": len(events),
-            "kernel_busy_steps_run": prof.step_num,
-            # where the window's GPU time went: [kernel, calls, ms, share], the longest first (workload.kernel_breakdown)
+            "kernel_busy_window_ms": round(span / 1e6, 1), "kernel_busy_requests": n,
+            "kernel_busy_gpu_events": len(events), "kernel_busy_steps_run": prof.step_num,
+            # where the window's GPU time went, longest first: [kernel, calls, ms, share] (workload.kernel_breakdown)
             "kernel_busy_top": kernel_breakdown([(e.name(), e.start_ns(), e.end_ns()) for e in events])}
 
 
@@ -305,7 +307,7 @@ def host_ms_per_step(llm, sp_cls, vocab: int, rng: random.Random, steps: int = 6
     median); ``gc_ms_step_bs1``, the time Python's cyclic garbage collector ran inside those steps, per step; and
     ``graph_launch_ms_step_bs1``, the part inside the decode graph's ``replay()`` (left out without decode graphs)."""
     engine = llm.llm_engine
-    engine.add_request("host-time", _prompts(rng, 1, 128, vocab)[0],
+    engine.add_request("host-time", token_prompts(rng, 1, 128, vocab)[0],
                        sp_cls(max_tokens=steps + 2, ignore_eos=True, temperature=0))
     engine.step()  # prefill
     runner = engine.runner

@@ -253,7 +253,7 @@ def test_e2e_gpu_kernel_busy_glue_on_cpu(tiny_llama_dir):
     from torch.profiler import ProfilerActivity
 
     row = e2e_measure.kernel_busy(llm, SamplingParams, 2, 200, 0, skip_steps=2, steps=3, lo=10, hi=40,
-                              activities=[ProfilerActivity.CPU])  # a CPU build refuses a CUDA-only profiler
+                                  activities=[ProfilerActivity.CPU])  # a CPU build refuses a CUDA-only profiler
     assert row["gpu_kernel_busy_256"] is None and row["kernel_busy_gpu_events"] == 0 and row["kernel_busy_requests"] == 2
     assert row["kernel_busy_top"] == []  # no CUDA events: nothing to break down
     # one profiler step per engine step, and no step after the window (2 skipped + 2 warm-up + 3 active): the rest of

@@ -269,7 +269,7 @@ def test_kernel_busy_stops_after_its_window(tiny_llama_dir, async_scheduling):
     _recording(runner, log)
     recorder = dict(vars(runner))
     row = e2e_measure.kernel_busy(llm, SamplingParams, 4, 200, 0, skip_steps=2, steps=3, lo=30, hi=60,
-                              activities=[ProfilerActivity.CPU])
+                                  activities=[ProfilerActivity.CPU])
     assert row["kernel_busy_steps_run"] == 7 and len(log) == 7, log  # 4 requests of 30-60 new tokens: ~60 steps
     assert row["kernel_busy_requests"] == 4 and row["kernel_busy_window_steps"] == 3
     assert not llm.llm_engine.has_unfinished() and not llm.llm_engine.requests
