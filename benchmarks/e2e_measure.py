@@ -4,6 +4,7 @@ anything is timed, the issue-26 throughput workload with its GPU-busy spans and 
 and the weight bytes a decode step reads. e2e_gpu.py turns them into row columns; the columns are described there."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import random
 import statistics
@@ -144,6 +145,24 @@ def warm_up_steps(llm, sp_cls, vocab: int, rng: random.Random, counts: list[int]
     return counts
 
 
+@contextlib.contextmanager
+def wrapped(hooks):
+    """For the block, each ``(obj, name, wrap)`` of ``hooks`` replaces ``obj.name`` with ``wrap(obj.name)``; after it,
+    what the instance had before comes back: an instance attribute already there (another wrapper), or none, and then
+    the class's method again."""
+    saved = [(obj, name, vars(obj).get(name)) for obj, name, _ in hooks]
+    for obj, name, wrap in hooks:
+        setattr(obj, name, wrap(getattr(obj, name)))
+    try:
+        yield
+    finally:
+        for obj, name, before in saved:
+            if before is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, before)
+
+
 class StepSpans:
     """CUDA events around the device part of every engine step, for ``gpu_busy_256``. A step's span starts at an
     event recorded right after its inputs are enqueued (the first ``StepInputBuilder.fill`` of the step: host buffer
@@ -194,19 +213,14 @@ class StepSpans:
 
     def __enter__(self) -> "StepSpans":
         r = self.runner
-        hooks = [(r, "execute", self._step_hook), (r, "execute_async", self._step_hook),
-                 (r, "to_host_start", lambda fn: self._after(fn, 1)), (r.inputs, "fill", lambda fn: self._after(fn, 0))]
-        self._saved = [(obj, name, vars(obj).get(name)) for obj, name, _ in hooks]  # instance attributes before
-        for obj, name, hook in hooks:
-            setattr(obj, name, hook(getattr(obj, name)))
+        self._hooks = wrapped([(r, "execute", self._step_hook), (r, "execute_async", self._step_hook),
+                               (r, "to_host_start", lambda fn: self._after(fn, 1)),
+                               (r.inputs, "fill", lambda fn: self._after(fn, 0))])
+        self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        for obj, name, before in self._saved:
-            if before is None:
-                delattr(obj, name)  # the class's method again
-            else:
-                setattr(obj, name, before)
+        self._hooks.__exit__(*exc)
 
     def seconds(self) -> float:
         return sum(s.elapsed_time(e) for s, e in self.spans) / 1e3
@@ -248,8 +262,6 @@ def kernel_busy(llm, sp_cls, n: int, vocab: int, seed: int, skip_steps: int = 50
     reqs = workload_256(vocab, n, lo, hi, seed=seed)
     params = [sp_cls(max_tokens=r.output_len, ignore_eos=True, temperature=0) for r in reqs]
     engine = llm.llm_engine
-    runner = engine.runner
-    names = ("execute", "execute_async")
     window = skip_steps + 2 + steps  # the schedule's steps: wait, warmup, active; the trace is complete after them
     ids = [f"kernel-busy-{i}" for i in range(n)]
     with profile(activities=activities or [ProfilerActivity.CUDA],
@@ -261,26 +273,17 @@ def kernel_busy(llm, sp_cls, n: int, vocab: int, seed: int, skip_steps: int = 50
                 finally:
                     prof.step()
             return run
-        before = {name: vars(runner).get(name) for name in names}  # instance attributes already there (wrappers)
-        for name in names:
-            setattr(runner, name, stepped(getattr(runner, name)))
-        try:
-            for rid, r, p in zip(ids, reqs, params):
-                engine.add_request(rid, r.prompt, p)
-            while engine.has_unfinished() and prof.step_num < window:
-                engine.step()
-            _sync()
-        finally:  # the window is over: the requests still running are aborted, not generated to their end
+        with wrapped([(engine.runner, name, stepped) for name in ("execute", "execute_async")]):
             try:
+                for rid, r, p in zip(ids, reqs, params):
+                    engine.add_request(rid, r.prompt, p)
+                while engine.has_unfinished() and prof.step_num < window:
+                    engine.step()
+                _sync()
+            finally:  # the window is over: the requests still running are aborted, not generated to their end
                 engine.abort_request(ids)
                 while engine.has_unfinished():  # async scheduling: the step still in flight
                     engine.step()
-            finally:
-                for name in names:
-                    if before[name] is None:
-                        delattr(runner, name)  # the class's method again
-                    else:
-                        setattr(runner, name, before[name])
     events = [e for e in prof.profiler.kineto_results.events() if e.device_type() == torch.autograd.DeviceType.CUDA]
     busy, span = busy_union([(e.start_ns(), e.end_ns()) for e in events])
     return {"gpu_kernel_busy_256": round(busy / span, 3) if span else None, "kernel_busy_window_steps": steps,
